@@ -1,0 +1,123 @@
+"""etrax: a typed, functional eligibility-trace compiler and online learning for
+brainstate models on JAX.
+
+```python
+import brainstate, jax.numpy as jnp, etrax
+
+gru = etrax.nn.GRUCell(3, 4)
+brainstate.nn.init_all_states(gru)
+graph = etrax.compile_etrace_graph(gru, jnp.zeros(3))
+print(graph.report())
+```
+"""
+
+import os as _os
+
+import brainstate as _brainstate
+
+from . import nn, ops
+from ._compat import exclude_from_locations as _exclude_from_locations
+from ._errors import (
+    CompilationError,
+    EtraxError,
+    InputStructureError,
+    NotSupportedError,
+    ParamStateWriteError,
+    RecursiveCompileError,
+    StateNotInitializedError,
+    WeightNotParamStateError,
+)
+from .compiler import (
+    CompilationRecord,
+    CompilationReport,
+    DiagnosticKind,
+    DiagnosticLevel,
+    ETraceGraph,
+    HiddenGroup,
+    HiddenParamOpRelation,
+    HiddenPerturbation,
+    ModuleInfo,
+    WeightRule,
+    WeightStatus,
+    add_hidden_perturbation_from_minfo,
+    add_hidden_perturbation_in_module,
+    compile_etrace_graph,
+    compose,
+    extract,
+    extract_module_info,
+    find_hidden_groups_from_minfo,
+    find_hidden_groups_from_module,
+    find_hidden_param_op_relations_from_minfo,
+    find_hidden_param_op_relations_from_module,
+    group,
+    perturb,
+    relate,
+    rewrite,
+)
+from .ops import (
+    ETPOpSpec,
+    ETPRules,
+    element_wise,
+    etp_spec,
+    is_etp_primitive,
+    matmul,
+    register_primitive,
+    register_rules,
+)
+
+__version__ = "0.1.0"
+
+_here = _os.path.dirname(__file__)
+_exclude_from_locations(
+    _os.path.join(_here, "ops") + _os.sep,
+    _os.path.join(_here, "compiler") + _os.sep,
+    _os.path.join(_here, "nn", "_linear.py"),
+    _os.path.dirname(_brainstate.__file__) + _os.sep,
+)
+
+__all__ = [
+    "CompilationError",
+    "CompilationRecord",
+    "CompilationReport",
+    "DiagnosticKind",
+    "DiagnosticLevel",
+    "ETPOpSpec",
+    "ETPRules",
+    "ETraceGraph",
+    "EtraxError",
+    "HiddenGroup",
+    "HiddenParamOpRelation",
+    "HiddenPerturbation",
+    "InputStructureError",
+    "ModuleInfo",
+    "NotSupportedError",
+    "ParamStateWriteError",
+    "RecursiveCompileError",
+    "StateNotInitializedError",
+    "WeightNotParamStateError",
+    "WeightRule",
+    "WeightStatus",
+    "__version__",
+    "add_hidden_perturbation_from_minfo",
+    "add_hidden_perturbation_in_module",
+    "compile_etrace_graph",
+    "compose",
+    "element_wise",
+    "etp_spec",
+    "extract",
+    "extract_module_info",
+    "find_hidden_groups_from_minfo",
+    "find_hidden_groups_from_module",
+    "find_hidden_param_op_relations_from_minfo",
+    "find_hidden_param_op_relations_from_module",
+    "group",
+    "is_etp_primitive",
+    "matmul",
+    "nn",
+    "ops",
+    "perturb",
+    "register_primitive",
+    "register_rules",
+    "relate",
+    "rewrite",
+]

@@ -1,0 +1,177 @@
+"""The one place where etrax touches JAX internals or version-dependent APIs.
+
+Everything else in etrax uses `jax`, `jax.extend.core` and the helpers below.
+If a JAX release moves one of these names, this module is the only one to fix.
+"""
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+from jax.interpreters import ad, batching, mlir
+
+__all__ = [
+    "ClosedJaxpr",
+    "DropVar",
+    "Jaxpr",
+    "JaxprEqn",
+    "Literal",
+    "Primitive",
+    "ShapedArray",
+    "Var",
+    "bind_equation",
+    "call_body",
+    "define_primitive",
+    "equation_context",
+    "equation_location",
+    "exclude_from_locations",
+    "inner_closed_jaxprs",
+    "is_tracer",
+    "shaped_array",
+]
+
+Primitive = jex.Primitive
+Var = jex.Var
+Literal = jex.Literal
+Jaxpr = jex.Jaxpr
+ClosedJaxpr = jex.ClosedJaxpr
+JaxprEqn = jex.JaxprEqn
+DropVar = jex.DropVar
+ShapedArray = jax.core.ShapedArray
+
+# Call-like primitives whose body is spliced into the parent by `inline_calls`.
+_INLINED_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
+
+
+def is_tracer(value: object) -> bool:
+    """Whether `value` is a JAX tracer (i.e. we are inside a JAX transformation)."""
+    return isinstance(value, jax.core.Tracer)
+
+
+def shaped_array(shape: Sequence[int], dtype: Any, weak_type: bool = False) -> Any:
+    """A `ShapedArray` abstract value."""
+    return jax.core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)
+
+
+def call_body(eqn: Any) -> "jex.ClosedJaxpr | None":
+    """The body of a call-like equation (`jit`, `closed_call`, `remat`) that can be
+    inlined into its parent, or `None` for any other equation."""
+    if eqn.primitive.name not in _INLINED_CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr"):
+        body = eqn.params.get(key)
+        if isinstance(body, jex.ClosedJaxpr):
+            return body
+        if isinstance(body, jex.Jaxpr):
+            return jex.ClosedJaxpr(body, ())
+    return None
+
+
+def inner_closed_jaxprs(eqn: Any) -> list["jex.ClosedJaxpr"]:
+    """Every sub-jaxpr held in an equation's parameters, closed."""
+    found: list[jex.ClosedJaxpr] = []
+    for value in eqn.params.values():
+        items = value if isinstance(value, tuple | list) else (value,)
+        for item in items:
+            if isinstance(item, jex.ClosedJaxpr):
+                found.append(item)
+            elif isinstance(item, jex.Jaxpr):
+                found.append(jex.ClosedJaxpr(item, ()))
+    return found
+
+
+def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Re-bind one jaxpr equation on new input values; always returns a list."""
+    with equation_context(eqn):
+        return _bind(eqn, invals)
+
+
+def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(bound, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = bound
+    else:
+        subfuns, params = [], bound
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def exclude_from_locations(*paths: str) -> None:
+    """Hide library frames (etrax's ops and compiler, brainstate) from the source
+    locations JAX records, so diagnostics point at the user's model code."""
+    try:
+        from jax._src import source_info_util
+
+        for path in paths:
+            source_info_util.register_exclusion(path)
+    except Exception:  # pragma: no cover - depends on the JAX version
+        pass
+
+
+def equation_context(eqn: Any) -> Any:
+    """A context manager that re-binds an equation under its original source info."""
+    try:
+        from jax._src import source_info_util
+
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+    except Exception:  # pragma: no cover - depends on the JAX version
+        return contextlib.nullcontext()
+
+
+def equation_location(eqn: Any) -> str:
+    """A short 'file:line (function)' description of where an equation was traced."""
+    try:
+        from jax._src import source_info_util
+
+        return str(source_info_util.summarize(eqn.source_info))
+    except Exception:  # pragma: no cover - depends on the JAX version
+        return "<unknown location>"
+
+
+def define_primitive(
+    name: str,
+    impl: Callable[..., jax.Array],
+    batch_rule: Callable[..., tuple[jax.Array, int]] | None,
+) -> "jex.Primitive":
+    """Create a single-output JAX primitive whose every rule derives from `impl`.
+
+    - evaluation and lowering call `impl(*operands, **params)`;
+    - abstract evaluation is `jax.eval_shape(impl)`;
+    - the JVP is `jax.jvp(impl)`, so reverse mode is JAX's own transpose of the
+      linearised `impl`;
+    - batching uses `batch_rule` if given, else `jax.vmap(impl)`.
+    """
+    prim = jex.Primitive(name)
+    prim.def_impl(impl)
+
+    def abstract_eval(*avals: Any, **params: Any) -> Any:
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        out = jax.eval_shape(lambda *ops: impl(*ops, **params), *structs)
+        return jax.core.ShapedArray(out.shape, out.dtype)
+
+    prim.def_abstract_eval(abstract_eval)
+
+    def lower(ctx: Any, *args: Any, **params: Any) -> Any:
+        return mlir.lower_fun(lambda *ops: impl(*ops, **params), multiple_results=False)(
+            ctx, *args
+        )
+
+    mlir.register_lowering(prim, lower)
+
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        return jax.jvp(lambda *ops: impl(*ops, **params), tuple(primals), tuple(tangents))
+
+    ad.primitive_jvps[prim] = jvp
+
+    def batch(args: Sequence[Any], dims: Sequence[int | None], **params: Any) -> Any:
+        if batch_rule is not None:
+            return batch_rule(args, dims, **params)
+        out = jax.vmap(lambda *ops: impl(*ops, **params), in_axes=tuple(dims))(*args)
+        return out, 0
+
+    batching.primitive_batchers[prim] = batch
+    return prim

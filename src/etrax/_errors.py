@@ -1,0 +1,64 @@
+"""The exceptions etrax raises.
+
+Every error that etrax raises before tracing is one of these, each with a message
+that says what went wrong and what to do about it.
+"""
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .compiler._diagnostics import CompilationRecord
+
+__all__ = [
+    "CompilationError",
+    "EtraxError",
+    "InputStructureError",
+    "NotSupportedError",
+    "ParamStateWriteError",
+    "RecursiveCompileError",
+    "StateNotInitializedError",
+    "WeightNotParamStateError",
+]
+
+
+class EtraxError(Exception):
+    """Base class of every error etrax raises on purpose."""
+
+
+class CompilationError(EtraxError):
+    """The model could not be compiled into an eligibility-trace graph.
+
+    `records` holds the diagnostics gathered up to the failure, so a caller can
+    inspect them like the diagnostics of a successful compile.
+    """
+
+    records: "tuple[CompilationRecord, ...]"
+
+    def __init__(self, message: str, records: "Sequence[CompilationRecord]" = ()) -> None:
+        super().__init__(message)
+        self.records = tuple(records)
+
+
+class NotSupportedError(CompilationError):
+    """The step uses a construct the compiler does not support."""
+
+
+class StateNotInitializedError(CompilationError):
+    """The model's states have not been created yet."""
+
+
+class ParamStateWriteError(NotSupportedError):
+    """The step writes a `brainstate.ParamState`; weights must be constant within a step."""
+
+
+class InputStructureError(CompilationError, TypeError):
+    """The example inputs do not match the signature or shapes of `model.update`."""
+
+
+class WeightNotParamStateError(CompilationError):
+    """An ETP operation's weight operand does not come from a `brainstate.ParamState`."""
+
+
+class RecursiveCompileError(CompilationError):
+    """`compile_etrace_graph` was called while a JAX trace of a model was running."""

@@ -1,0 +1,72 @@
+"""The eligibility-trace compiler: ``compose(extract, group, relate, rewrite, perturb)``."""
+
+from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
+from ._graph import (
+    ETraceGraph,
+    WeightRule,
+    WeightStatus,
+    compile_etrace_graph,
+    compose,
+    perturb,
+)
+from ._group import (
+    GroupedModule,
+    HiddenGroup,
+    find_hidden_groups_from_minfo,
+    find_hidden_groups_from_module,
+    group,
+)
+from ._jaxpr import Program
+from ._module_info import ModuleInfo, StateInfo, StateKind, extract, extract_module_info
+from ._perturb import (
+    HiddenPerturbation,
+    add_hidden_perturbation_from_minfo,
+    add_hidden_perturbation_in_module,
+)
+from ._relate import (
+    HiddenParamOpRelation,
+    RelatedModule,
+    RelationTail,
+    TrainableOperand,
+    find_hidden_param_op_relations_from_minfo,
+    find_hidden_param_op_relations_from_module,
+    relate,
+)
+from ._report import CompilationReport
+from ._rewrite import RewrittenModule, rewrite
+
+__all__ = [
+    "CompilationRecord",
+    "CompilationReport",
+    "DiagnosticKind",
+    "DiagnosticLevel",
+    "ETraceGraph",
+    "GroupedModule",
+    "HiddenGroup",
+    "HiddenParamOpRelation",
+    "HiddenPerturbation",
+    "ModuleInfo",
+    "Program",
+    "RelatedModule",
+    "RelationTail",
+    "RewrittenModule",
+    "StateInfo",
+    "StateKind",
+    "TrainableOperand",
+    "WeightRule",
+    "WeightStatus",
+    "add_hidden_perturbation_from_minfo",
+    "add_hidden_perturbation_in_module",
+    "compile_etrace_graph",
+    "compose",
+    "extract",
+    "extract_module_info",
+    "find_hidden_groups_from_minfo",
+    "find_hidden_groups_from_module",
+    "find_hidden_param_op_relations_from_minfo",
+    "find_hidden_param_op_relations_from_module",
+    "group",
+    "perturb",
+    "relate",
+    "rewrite",
+]

@@ -1,0 +1,284 @@
+"""Jaxpr plumbing for the compiler: stable variable ids, call inlining, program
+slicing and a hashable program wrapper.
+
+Artifacts never hold `Var` objects as keys: a variable is named by its `VarId`, its
+position in the order constvars, invars, equation outputs of the step's jaxpr.
+"""
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final, final
+
+import jax
+import numpy as np
+
+from .._compat import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    bind_equation,
+    call_body,
+)
+from .._typing import VarId
+
+__all__ = ["Program", "VarTable", "eval_equations", "inline_calls", "slice_program"]
+
+
+def _const_key(value: Any) -> tuple[Any, ...]:
+    arr = np.asarray(value)
+    return (arr.shape, str(arr.dtype), arr.tobytes())
+
+
+@final
+class Program:
+    """An immutable, hashable wrapper of a closed jaxpr used as a static sub-program.
+
+    `input_ids` / `output_ids` name, in the step's `VarId` numbering, the values the
+    program reads and produces (an output that is a literal has id `None`).
+    Equality is structural (the printed jaxpr and its constants), so two compiles
+    of the same model give equal programs.
+    """
+
+    __slots__ = ("_key", "closed", "input_ids", "output_ids")
+
+    closed: Final[ClosedJaxpr]  # type: ignore[misc]
+    input_ids: Final[tuple[VarId, ...]]  # type: ignore[misc]
+    output_ids: Final[tuple[VarId | None, ...]]  # type: ignore[misc]
+
+    def __init__(
+        self,
+        closed: ClosedJaxpr,
+        input_ids: Sequence[VarId],
+        output_ids: Sequence[VarId | None],
+    ) -> None:
+        object.__setattr__(self, "closed", closed)
+        object.__setattr__(self, "input_ids", tuple(input_ids))
+        object.__setattr__(self, "output_ids", tuple(output_ids))
+        object.__setattr__(self, "_key", None)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Program is immutable")
+
+    @property
+    def jaxpr(self) -> Jaxpr:
+        """The open jaxpr (its constants are in `closed.consts`)."""
+        return self.closed.jaxpr
+
+    @property
+    def primitives(self) -> tuple[str, ...]:
+        """Names of the primitives of the program's equations, in order."""
+        return tuple(str(e.primitive.name) for e in self.closed.jaxpr.eqns)
+
+    @property
+    def num_equations(self) -> int:
+        return len(self.closed.jaxpr.eqns)
+
+    def key(self) -> tuple[Any, ...]:
+        """The structural identity used for equality and hashing."""
+        key = self._key
+        if key is None:
+            key = (
+                str(self.closed.jaxpr),
+                tuple(_const_key(c) for c in self.closed.consts),
+                self.input_ids,
+                self.output_ids,
+            )
+            object.__setattr__(self, "_key", key)
+        return key  # type: ignore[no-any-return]
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Program):
+            return NotImplemented
+        return self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key()[0])
+
+    def __call__(self, *args: Any) -> list[Any]:
+        """Evaluate the program on its inputs (in `input_ids` order)."""
+        return eval_equations(self.closed.jaxpr, self.closed.consts, args)
+
+    def __repr__(self) -> str:
+        n_in = len(self.closed.jaxpr.invars)
+        n_out = len(self.closed.jaxpr.outvars)
+        return f"Program(inputs={n_in}, outputs={n_out}, equations={self.num_equations})"
+
+
+class VarTable:
+    """`VarId` numbering, producers and consumers of one jaxpr (a local helper)."""
+
+    def __init__(self, jaxpr: Jaxpr) -> None:
+        self.jaxpr = jaxpr
+        self.vars: list[Var] = []
+        self.ids: dict[Var, VarId] = {}
+        self.producer: dict[Var, int] = {}
+        self.consumers: dict[Var, list[int]] = {}
+        for v in (*jaxpr.constvars, *jaxpr.invars):
+            self._add(v)
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if isinstance(v, Var):
+                    self.consumers.setdefault(v, []).append(i)
+            for v in eqn.outvars:
+                if not isinstance(v, DropVar):
+                    self._add(v)
+                    self.producer[v] = i
+
+    def _add(self, v: Var) -> None:
+        if v not in self.ids:
+            self.ids[v] = len(self.vars)
+            self.vars.append(v)
+
+    def id_of(self, atom: Any) -> VarId | None:
+        """The id of a Var, or `None` for a literal."""
+        if isinstance(atom, Literal):
+            return None
+        return self.ids[atom]
+
+    def var(self, vid: VarId) -> Var:
+        return self.vars[vid]
+
+
+def eval_equations(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluate a jaxpr (a thin, explicit version of `jax.core.eval_jaxpr`)."""
+    env: dict[Var, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for v, val in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = val
+    for v, val in zip(jaxpr.invars, args, strict=True):
+        env[v] = val
+    for eqn in jaxpr.eqns:
+        outs = bind_equation(eqn, [read(a) for a in eqn.invars])
+        for v, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, DropVar):
+                env[v] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    env: dict[Var, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for v, val in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = val
+    for v, val in zip(jaxpr.invars, args, strict=True):
+        env[v] = val
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        body = call_body(eqn)
+        if body is not None:
+            outs = _eval_inlining(body.jaxpr, body.consts, invals)
+        else:
+            outs = bind_equation(eqn, invals)
+        for v, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, DropVar):
+                env[v] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _has_calls(jaxpr: Jaxpr) -> bool:
+    return any(call_body(e) is not None for e in jaxpr.eqns)
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Splice every nested `jit` / `closed_call` / `remat` body into one flat jaxpr.
+
+    Done by re-tracing the jaxpr through an evaluator that descends into call
+    bodies, so every call site gets fresh variables. Invariant: invars and outvars
+    keep their order, avals and meaning. Custom-derivative calls are kept whole.
+    """
+    if not _has_calls(closed.jaxpr):
+        return closed
+    avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in closed.jaxpr.invars
+    ]
+    jaxpr, consts = closed.jaxpr, closed.consts
+
+    def flat(*args: Any) -> list[Any]:
+        return _eval_inlining(jaxpr, consts, args)
+
+    return jax.make_jaxpr(flat)(*avals)  # type: ignore[no-any-return]
+
+
+def slice_program(
+    closed: ClosedJaxpr,
+    table: VarTable,
+    inputs: Sequence[Var],
+    outputs: Sequence[Any],
+    allowed: Callable[[int], bool],
+) -> tuple[Program, tuple[VarId, ...]]:
+    """Cut a sub-program out of the step's jaxpr.
+
+    Walking back from `outputs`, every equation that `allowed` accepts and that
+    produces a needed value is kept; every other needed value (read by a kept
+    equation but produced elsewhere) becomes a *constant input*.
+
+    **Returns:** the `Program`, whose inputs are the constant inputs (in order of
+    first use) followed by `inputs`, and the ids of those constant inputs.
+    """
+    jaxpr = closed.jaxpr
+    input_set = set(inputs)
+    needed: set[Var] = {v for v in outputs if isinstance(v, Var)}
+    kept: list[int] = []
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        produces = [v for v in eqn.outvars if not isinstance(v, DropVar) and v in needed]
+        if not produces or any(v in input_set for v in produces) or not allowed(i):
+            continue
+        kept.append(i)
+        for v in produces:
+            needed.discard(v)
+        needed.update(v for v in eqn.invars if isinstance(v, Var))
+    kept.reverse()
+    eqns: list[JaxprEqn] = [jaxpr.eqns[i] for i in kept]
+    produced = {v for e in eqns for v in e.outvars if not isinstance(v, DropVar)}
+    const_inputs: list[Var] = []
+    seen: set[Var] = set()
+
+    def note(v: Any) -> None:
+        if isinstance(v, Var) and v not in produced and v not in input_set and v not in seen:
+            seen.add(v)
+            const_inputs.append(v)
+
+    for e in eqns:
+        for v in e.invars:
+            note(v)
+    for v in outputs:
+        note(v)
+    invars = [*const_inputs, *inputs]
+    effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    sub = Jaxpr(constvars=(), invars=invars, outvars=list(outputs), eqns=eqns, effects=effects)
+    program = Program(
+        ClosedJaxpr(sub, ()),
+        [table.ids[v] for v in invars],
+        [table.id_of(v) for v in outputs],
+    )
+    return program, tuple(table.ids[v] for v in const_inputs)
+
+
+def forward_closure(
+    table: VarTable, sources: Iterable[Var], crosses: Callable[[int], bool]
+) -> set[Var]:
+    """Every variable reachable from `sources` through equations `crosses` accepts."""
+    reached = set(sources)
+    stack = list(reached)
+    while stack:
+        v = stack.pop()
+        for i in table.consumers.get(v, ()):
+            if not crosses(i):
+                continue
+            for out in table.jaxpr.eqns[i].outvars:
+                if not isinstance(out, DropVar) and out not in reached:
+                    reached.add(out)
+                    stack.append(out)
+    return reached

@@ -1,0 +1,121 @@
+"""`CompilationReport`: a readable summary of a compiled graph."""
+
+from typing import TextIO
+
+from .._typing import Path
+from ._diagnostics import DiagnosticLevel
+from ._graph import ETraceGraph, WeightRule
+
+__all__ = ["CompilationReport"]
+
+_RULE = "=" * 100
+
+
+class CompilationReport:
+    """A read-only view of an `ETraceGraph` for people: which hidden states were
+    grouped, which weights are traced into which groups, and which weights are not
+    traced and why. `str(report)` is the text `show_graph` prints."""
+
+    def __init__(self, graph: ETraceGraph) -> None:
+        if not isinstance(graph, ETraceGraph):
+            raise TypeError(f"CompilationReport expects an ETraceGraph, got {type(graph).__name__}")
+        self.graph = graph
+
+    @property
+    def hidden_groups(self) -> list[tuple[int, tuple[Path, ...]]]:
+        return [(g.index, g.hidden_paths) for g in self.graph.hidden_groups]
+
+    @property
+    def etrace_weights(self) -> list[tuple[Path, tuple[int, ...]]]:
+        """``(weight path, connected groups)`` per relation."""
+        return [(r.weight_path, r.hidden_groups) for r in self.graph.hidden_param_op_relations]
+
+    @property
+    def excluded_weights(self) -> list[tuple[Path, str | None]]:
+        """``(path, reason)`` for every ParamState not traced by any relation."""
+        out = []
+        for path, status in self.graph.weight_rules().items():
+            if status.rule is not WeightRule.TRACED:
+                out.append((path, status.reason.value if status.reason is not None else None))
+        return out
+
+    @property
+    def dynamic_states(self) -> list[Path]:
+        return [s.path for s in self.graph.module_info.other_states if s.written]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        diags = self.graph.diagnostics
+        return {
+            "hidden_groups": len(self.graph.hidden_groups),
+            "etrace_weights": len(self.etrace_weights),
+            "excluded_weights": len(self.excluded_weights),
+            "warnings": sum(r.level is DiagnosticLevel.WARNING for r in diags),
+            "errors": sum(r.level is DiagnosticLevel.ERROR for r in diags),
+        }
+
+    def to_str(self, level: int = 1) -> str:
+        """The report text; ``level=2`` also lists every warning and error."""
+        g = self.graph
+        name = g.module_info.model_name or "model"
+        lines = [_RULE, f"etrax graph of {name}", ""]
+        lines.append(f"Hidden groups ({len(g.hidden_groups)}):")
+        for grp in g.hidden_groups:
+            notes = []
+            if not grp.has_recurrence:
+                notes.append("no element-wise recurrence")
+            if not grp.is_diagonal_recurrence:
+                notes.append(f"mixes positions: {grp.mixing_reason}")
+            note = f"  [{'; '.join(notes)}]" if notes else ""
+            lines.append(
+                f"   Group {grp.index}: {list(grp.hidden_paths)}  S={grp.num_state}, "
+                f"positions {grp.varshape}{note}"
+            )
+        lines.append("")
+        if self.dynamic_states:
+            lines.append("States carried across steps but not traced:")
+            for i, p in enumerate(self.dynamic_states):
+                lines.append(f"   State {i}: {p}")
+            lines.append("")
+        if g.hidden_param_op_relations:
+            lines.append("Weights traced online:")
+            for rel in g.hidden_param_op_relations:
+                groups = rel.hidden_groups
+                where = (
+                    f"hidden group {groups[0]}" if len(groups) == 1 else f"hidden groups {list(groups)}"
+                )
+                extra = ""
+                if rel.partial_path:
+                    extra = "  (partial: an indirect path is not traced)"
+                elif any(not t.is_diagonal for t in rel.tails):
+                    extra = "  (approximate: the path to the hidden state mixes positions)"
+                lines.append(
+                    f"   Weight {rel.index}: {rel.weight_path} via {rel.primitive.name} -> {where}{extra}"
+                )
+            lines.append("")
+        excluded = self.excluded_weights
+        if excluded:
+            lines.append("Weights not traced through time (instantaneous gradient only):")
+            for i, (path, reason) in enumerate(excluded):
+                why = f"  ({reason})" if reason else ""
+                lines.append(f"   Weight {i}: {path}{why}")
+            lines.append("")
+        if level >= 2:
+            notable = [r for r in g.diagnostics if r.level is not DiagnosticLevel.INFO]
+            if notable:
+                lines.append("Warnings and errors:")
+                for r in notable:
+                    lines.append(f"   [{r.level.value}] {r.kind.value}: {r.message}")
+                lines.append("")
+        return "\n".join(lines) + "\n"
+
+    def show(self, level: int = 1, file: TextIO | None = None) -> None:
+        print(self.to_str(level), file=file)
+
+    def __str__(self) -> str:
+        return self.to_str(1)
+
+    def __repr__(self) -> str:
+        c = self.counts
+        inner = ", ".join(f"{k}={v}" for k, v in c.items())
+        return f"CompilationReport({inner})"

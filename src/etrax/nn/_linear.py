@@ -1,0 +1,72 @@
+"""Linear layers whose weights are traced by etrax."""
+
+import functools
+
+import brainstate
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike
+
+from ..ops import matmul
+from ._common import Initializer, init_param
+
+__all__ = ["Linear"]
+
+
+def _masked(mask: Array, w: Array) -> Array:
+    return w * mask
+
+
+class Linear(brainstate.nn.Module):
+    """``y = x · W + b`` through the ETP op `etrax.matmul`.
+
+    The weight and bias live in one `ParamState` at attribute ``weight`` holding
+    ``{'weight': W, 'bias': b}`` (no ``'bias'`` key when ``b_init=None``).
+
+    **Arguments:**
+
+    - `in_size`, `out_size`: feature sizes (an int or a tuple whose last entry is used).
+    - `w_init`, `b_init`: brainstate initializers; ``b_init=None`` for no bias.
+    - `w_mask`: optional fixed mask multiplied into ``W`` inside the op (the trace is
+      taken with respect to the raw ``W``).
+
+    Inputs with more than two axes are flattened to ``(batch, in)`` around the op.
+    """
+
+    def __init__(
+        self,
+        in_size: int | tuple[int, ...],
+        out_size: int | tuple[int, ...],
+        w_init: Initializer = None,
+        b_init: Initializer = "zeros",
+        w_mask: ArrayLike | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        n_in = in_size if isinstance(in_size, int) else in_size[-1]
+        n_out = out_size if isinstance(out_size, int) else out_size[-1]
+        self.in_size = (n_in,)
+        self.out_size = (n_out,)
+        if w_init is None:
+            w_init = brainstate.nn.init.KaimingNormal()
+        params = {"weight": init_param(w_init, (n_in, n_out))}
+        if b_init is not None:
+            if isinstance(b_init, str) and b_init == "zeros":
+                b_init = brainstate.nn.init.ZeroInit()
+            params["bias"] = init_param(b_init, (n_out,))
+        self.weight = brainstate.ParamState(params)
+        self._weight_fn = None
+        if w_mask is not None:
+            mask = jnp.asarray(w_mask)
+            if mask.shape != (n_in, n_out):
+                raise ValueError(f"w_mask must have shape {(n_in, n_out)}, got {mask.shape}")
+            self._weight_fn = functools.partial(_masked, mask)
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        params = self.weight.value
+        bias = params.get("bias")
+        if x.ndim <= 2:
+            return matmul(x, params["weight"], bias, weight_fn=self._weight_fn)
+        lead = x.shape[:-1]
+        y = matmul(x.reshape(-1, x.shape[-1]), params["weight"], bias, weight_fn=self._weight_fn)
+        return y.reshape(*lead, y.shape[-1])

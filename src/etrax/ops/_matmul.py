@@ -1,0 +1,168 @@
+"""Dense matrix multiplication as an ETP primitive: ``y = x · f(W) + g(b)``."""
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike
+
+from .._typing import Params, Shape
+from ._primitive import ETPRules, register_primitive
+from ._util import chain_transform, check_transform, sum_leading
+
+__all__ = ["matmul", "matmul_p"]
+
+Transform = Callable[[Array], Array] | None
+
+
+def _matmul_impl(
+    x: Array, w: Array, *bias: Array, has_bias: bool, weight_fn: Transform, bias_fn: Transform
+) -> Array:
+    weight = w if weight_fn is None else weight_fn(w)
+    y = jnp.matmul(x, weight)
+    if has_bias:
+        (b,) = bias
+        y = y + (b if bias_fn is None else bias_fn(b))
+    return y
+
+
+def _matmul_trainable(params: Params) -> Mapping[str, int]:
+    return {"weight": 1, "bias": 2} if params["has_bias"] else {"weight": 1}
+
+
+def _matmul_batch(
+    args: tuple[Array, ...], dims: tuple[int | None, ...], **params: object
+) -> tuple[Array, int]:
+    x, *weights = args
+    x_dim, *weight_dims = dims
+    if x_dim is not None and all(d is None for d in weight_dims):
+        x = jnp.moveaxis(x, x_dim, 0)
+        if x.ndim == 2:
+            return matmul_p.bind(x, *weights, **params), 0
+        lead = x.shape[:-1]
+        y = matmul_p.bind(x.reshape(-1, x.shape[-1]), *weights, **params)
+        return y.reshape(*lead, y.shape[-1]), 0
+    out = jax.vmap(lambda *ops: _matmul_impl(*ops, **params), in_axes=dims)(*args)  # type: ignore[arg-type]
+    return out, 0
+
+
+def _weight_grad(
+    x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
+) -> dict[str, Array]:
+    assert x is not None
+    if x.ndim == 1:
+        g_w = jnp.outer(x, cot)
+    else:
+        g_w = jnp.einsum("bi,bo->io", x, cot)
+    grads = {"weight": chain_transform(params["weight_fn"], weights["weight"], g_w)}
+    if params["has_bias"]:
+        g_b = sum_leading(cot, 1)
+        grads["bias"] = chain_transform(params["bias_fn"], weights["bias"], g_b)
+    return grads
+
+
+def _instant(
+    x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
+) -> dict[str, Array]:
+    assert x is not None
+    trace = {"weight": x[..., :, None] * cot[..., None, :]}
+    if params["has_bias"]:
+        trace["bias"] = cot
+    return trace
+
+
+def _scale(hvec: Array, trace: Mapping[str, Array], params: Params) -> dict[str, Array]:
+    out = {"weight": trace["weight"] * hvec[..., None, :]}
+    if "bias" in trace:
+        out["bias"] = trace["bias"] * hvec
+    return out
+
+
+def _solve(
+    signal: Array, trace: Mapping[str, Array], weights: Mapping[str, Array], params: Params
+) -> dict[str, Array]:
+    g_w = sum_leading(trace["weight"] * signal[..., None, :], 2)
+    grads = {"weight": chain_transform(params["weight_fn"], weights["weight"], g_w)}
+    if "bias" in trace:
+        g_b = sum_leading(trace["bias"] * signal, 1)
+        grads["bias"] = chain_transform(params["bias_fn"], weights["bias"], g_b)
+    return grads
+
+
+def _trace_shapes(
+    x: jax.ShapeDtypeStruct | None,
+    y: jax.ShapeDtypeStruct,
+    weights: Mapping[str, jax.ShapeDtypeStruct],
+    params: Params,
+) -> dict[str, Shape]:
+    assert x is not None
+    batch = tuple(x.shape[:-1])
+    shapes: dict[str, Shape] = {"weight": batch + tuple(weights["weight"].shape)}
+    if params["has_bias"]:
+        shapes["bias"] = batch + tuple(y.shape[-1:])
+    return shapes
+
+
+MATMUL_RULES = ETPRules(
+    weight_grad=_weight_grad,
+    instant=_instant,
+    scale=_scale,
+    solve=_solve,
+    param_trace_shapes=_trace_shapes,
+)
+
+matmul_p = register_primitive(
+    "etp_matmul",
+    _matmul_impl,
+    trainable=_matmul_trainable,
+    x_index=0,
+    rules=MATMUL_RULES,
+    batch_rule=_matmul_batch,
+)
+
+
+def matmul(
+    x: ArrayLike,
+    weight: ArrayLike,
+    bias: ArrayLike | None = None,
+    *,
+    weight_fn: Transform = None,
+    bias_fn: Transform = None,
+) -> Array:
+    """Dense ``y = x · weight_fn(weight) + bias_fn(bias)`` as a traceable weight operation.
+
+    `x` is ``(in,)`` or batched ``(batch, in)``; `weight` is ``(in, out)``; `bias` is
+    ``(out,)``. `weight_fn` / `bias_fn` are optional transforms applied inside the
+    op (a mask, a sign constraint, a standardisation); gradients and traces are
+    taken with respect to the raw stored arrays. Pass the same function object on
+    every call (a fresh ``lambda`` per call forces a retrace).
+
+    **Returns:** ``(out,)`` or ``(batch, out)``.
+    """
+    x = jnp.asarray(x)
+    weight = jnp.asarray(weight)
+    check_transform("matmul: weight_fn", weight_fn)
+    check_transform("matmul: bias_fn", bias_fn)
+    if x.ndim not in (1, 2):
+        raise ValueError(
+            f"matmul: x must have shape (in,) or (batch, in), got {x.shape}; "
+            "reshape extra leading axes into one batch axis (etrax.nn.Linear does this)."
+        )
+    if weight.ndim != 2:
+        raise ValueError(f"matmul: weight must have shape (in, out), got {weight.shape}.")
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"matmul: x has {x.shape[-1]} input features but weight expects {weight.shape[0]} "
+            f"(x {x.shape}, weight {weight.shape})."
+        )
+    operands = [x, weight]
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (weight.shape[1],):
+            raise ValueError(
+                f"matmul: bias must have shape ({weight.shape[1]},), got {bias.shape}."
+            )
+        operands.append(bias)
+    return matmul_p.bind(  # type: ignore[no-any-return]
+        *operands, has_bias=bias is not None, weight_fn=weight_fn, bias_fn=bias_fn
+    )
