@@ -13,7 +13,10 @@ print(graph.report())
 
 import os as _os
 
+import beartype as _beartype
 import brainstate as _brainstate
+import equinox as _equinox
+import jaxtyping as _jaxtyping
 
 from . import nn, ops
 from ._compat import exclude_from_locations as _exclude_from_locations
@@ -72,7 +75,10 @@ _exclude_from_locations(
     _os.path.join(_here, "ops") + _os.sep,
     _os.path.join(_here, "compiler") + _os.sep,
     _os.path.join(_here, "nn", "_linear.py"),
-    _os.path.dirname(_brainstate.__file__) + _os.sep,
+    *(
+        _os.path.dirname(_pkg.__file__) + _os.sep
+        for _pkg in (_brainstate, _jaxtyping, _beartype, _equinox)
+    ),
 )
 
 __all__ = [

@@ -257,7 +257,7 @@ def slice_program(
         note(v)
     invars = [*const_inputs, *inputs]
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    sub = Jaxpr(constvars=(), invars=invars, outvars=list(outputs), eqns=eqns, effects=effects)
+    sub = jaxpr.replace(constvars=[], invars=invars, outvars=list(outputs), eqns=eqns, effects=effects)
     program = Program(
         ClosedJaxpr(sub, ()),
         [table.ids[v] for v in invars],

@@ -17,9 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._compat import ClosedJaxpr, Jaxpr, is_tracer
+from .._compat import (
+    ClosedJaxpr,
+    Jaxpr,
+    equation_location,
+    inner_closed_jaxprs,
+    is_tracer,
+)
 from .._errors import (
     InputStructureError,
+    NotSupportedError,
     ParamStateWriteError,
     RecursiveCompileError,
     StateNotInitializedError,
@@ -220,13 +227,7 @@ class ModuleInfo(eqx.Module):
         if not new:
             return self
         jaxpr = self.jaxpr
-        extended = Jaxpr(
-            constvars=jaxpr.constvars,
-            invars=jaxpr.invars,
-            outvars=[*jaxpr.outvars, *(table.var(v) for v in new)],
-            eqns=jaxpr.eqns,
-            effects=jaxpr.effects,
-        )
+        extended = jaxpr.replace(outvars=[*jaxpr.outvars, *(table.var(v) for v in new)])
         program = Program(
             ClosedJaxpr(extended, self.closed_jaxpr.consts),
             self.program.input_ids,
@@ -355,6 +356,29 @@ def _classify(state: brainstate.State[Any]) -> StateKind:
     return StateKind.OTHER
 
 
+def _check_no_nested_etp(closed: ClosedJaxpr, records: list[CompilationRecord]) -> None:
+    from ..ops import is_etp_primitive
+    from ._positions import contains_primitive
+
+    for eqn in closed.jaxpr.eqns:
+        for sub in inner_closed_jaxprs(eqn):
+            if contains_primitive(sub, is_etp_primitive):
+                where = equation_location(eqn)
+                rec = record(
+                    DiagnosticKind.PRIMITIVE_INSIDE_CONTROL_FLOW,
+                    DiagnosticLevel.ERROR,
+                    f"An ETP operation is used inside '{eqn.primitive.name}' at {where}.",
+                    primitive=str(eqn.primitive.name),
+                )
+                raise NotSupportedError(
+                    f"An ETP operation (a traced weight) is used inside '{eqn.primitive.name}' at "
+                    f"{where}. Weight operations must sit at the top level of update(): replace "
+                    "lax.cond/switch with jnp.where or lax.select, unroll short loops in Python, "
+                    "and keep custom_jvp/custom_vjp functions free of weight operations.",
+                    [*records, rec],
+                )
+
+
 def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
     """Trace ``model.update(*args)`` once and describe the step (stage 1).
 
@@ -460,6 +484,7 @@ def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
         )
 
     closed = inline_calls(closed)
+    _check_no_nested_etp(closed, records)
     jaxpr = closed.jaxpr
     table = VarTable(jaxpr)
     arg_leaves = jax.tree.leaves(tuple(args))

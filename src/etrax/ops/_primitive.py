@@ -14,7 +14,7 @@ operands* are the inputs named by `ETPOpSpec.trainable` (``'weight'``, ``'bias'`
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -34,24 +34,28 @@ __all__ = [
 ]
 
 
+@runtime_checkable
 class WeightGradRule(Protocol):
     def __call__(
         self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
     ) -> dict[str, Array]: ...
 
 
+@runtime_checkable
 class InstantRule(Protocol):
     def __call__(
         self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
     ) -> dict[str, Array]: ...
 
 
+@runtime_checkable
 class ScaleRule(Protocol):
     def __call__(
         self, hvec: Array, trace: Mapping[str, Array], params: Params
     ) -> dict[str, Array]: ...
 
 
+@runtime_checkable
 class SolveRule(Protocol):
     def __call__(
         self,
@@ -62,6 +66,7 @@ class SolveRule(Protocol):
     ) -> dict[str, Array]: ...
 
 
+@runtime_checkable
 class TraceShapeRule(Protocol):
     def __call__(
         self,
@@ -72,6 +77,7 @@ class TraceShapeRule(Protocol):
     ) -> dict[str, Shape]: ...
 
 
+@runtime_checkable
 class InputReprRule(Protocol):
     def __call__(self, x: Array, weights: Mapping[str, Array], params: Params) -> Array: ...
 

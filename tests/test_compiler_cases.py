@@ -1,0 +1,296 @@
+"""Corner cases of grouping and relation discovery, including the known defects of
+the reference system that etrax fixes (no dependence on jaxpr shape, several
+hidden states per equation, relations into stacked states, plain weight uses)."""
+
+import brainstate
+import jax
+import jax.numpy as jnp
+import pytest
+from jaxtyping import Array, ArrayLike
+
+import etrax
+from etrax import DiagnosticKind as K
+
+from .models import LeakyLinear, build
+
+
+def _compile(model: brainstate.nn.Module, x: ArrayLike) -> etrax.ETraceGraph:
+    brainstate.nn.init_all_states(model)
+    return etrax.compile_etrace_graph(model, x)
+
+
+class VA(brainstate.nn.Module):
+    """``V`` and adaptation ``a``; `first` chooses how the jaxpr happens to be written."""
+
+    def __init__(self, first: bool, fused: bool = False) -> None:
+        super().__init__()
+        self.first = first
+        self.fused = fused
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.V = brainstate.HiddenState(jnp.zeros(4))
+        self.a = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        if self.fused:
+            v = self.V.value - self.a.value + self.fc(x)  # one equation reads V and a
+        elif self.first:
+            v = self.V.value * 0.9  # V^t produced by the first equation reading V
+        else:
+            v = self.V.value * 0.9 + 0.0 * self.fc(x)
+        a = 0.8 * self.a.value + 0.1 * v
+        self.V.value = v
+        self.a.value = a
+        return v + self.fc(x) if self.first else v
+
+
+@pytest.mark.parametrize(("first", "fused"), [(True, False), (False, False), (False, True)])
+def test_grouping_does_not_depend_on_jaxpr_shape(first: bool, fused: bool) -> None:
+    graph = _compile(VA(first, fused), jnp.ones(3))
+    assert [g.hidden_paths for g in graph.hidden_groups] == [(("V",), ("a",))]
+    assert graph.hidden_groups[0].is_diagonal_recurrence
+
+
+class JitInside(brainstate.nn.Module):
+    def __init__(self, use_jit: bool) -> None:
+        super().__init__()
+        self.use_jit = use_jit
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        def inner(h: Array, y: Array) -> Array:
+            return jnp.tanh(0.5 * h + y)
+
+        fn = jax.jit(inner) if self.use_jit else inner
+        h = fn(self.h.value, self.fc(x))
+        self.h.value = h
+        return h
+
+
+def test_user_jit_is_inlined() -> None:
+    a = _compile(JitInside(True), jnp.ones(3))
+    b = _compile(JitInside(False), jnp.ones(3))
+    assert all(e.primitive.name != "jit" for e in a.module_info.jaxpr.eqns)
+    assert [g.hidden_paths for g in a.hidden_groups] == [g.hidden_paths for g in b.hidden_groups]
+    assert [r.kind for r in a.diagnostics] == [r.kind for r in b.diagnostics]
+    assert a.hidden_groups[0].transition.primitives == b.hidden_groups[0].transition.primitives
+
+
+class StackedDirect(brainstate.nn.Module):
+    """A `HiddenGroupState` fed directly by ``y`` of shape varshape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.st = brainstate.HiddenGroupState(jnp.zeros((4, 2)))
+
+    def update(self, x: ArrayLike) -> Array:
+        st = self.st.value
+        y = self.fc(x)
+        self.st.value = st.at[..., 0].set(0.9 * st[..., 0] + y).at[..., 1].multiply(0.5)
+        return y
+
+
+def test_relation_into_stacked_hidden_state() -> None:
+    graph = _compile(StackedDirect(), jnp.ones(3))
+    (rel,) = graph.hidden_param_op_relations
+    assert rel.hidden_groups == (0,)
+    assert rel.tails[0].is_diagonal
+    assert graph.hidden_groups[0].num_state == 2
+
+
+class Sliced(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(2))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.5 * self.h.value + self.fc(x)[:2]
+        self.h.value = h
+        return h
+
+
+def test_shape_mismatch_is_excluded_with_a_record() -> None:
+    graph = _compile(Sliced(), jnp.ones(3))
+    assert graph.hidden_param_op_relations == ()
+    (rec,) = graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
+    assert rec.weight_path == ("fc", "weight")
+    assert graph.weight_rules()[("fc", "weight")].reason is K.RELATION_EXCLUDED_SHAPE_MISMATCH
+
+
+class PlainUse(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.win = brainstate.ParamState(jnp.ones((3, 4)))
+        self.fc = etrax.nn.Linear(3, 4)
+        self.unused = brainstate.ParamState(jnp.ones(2))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.5 * self.h.value + jnp.asarray(x) @ self.win.value + self.fc(x)
+        self.h.value = h
+        return h
+
+
+def test_plain_weight_use_and_unused_weight_are_reported() -> None:
+    graph = _compile(PlainUse(), jnp.ones(3))
+    plain = graph.explain(kind=K.WEIGHT_PLAIN_USE)
+    assert [r.weight_path for r in plain] == [("win",)]
+    assert plain[0].primitive == "dot_general"
+    rules = graph.weight_rules()
+    assert rules[("win",)].rule is etrax.WeightRule.INSTANTANEOUS
+    assert rules[("win",)].reason is K.WEIGHT_PLAIN_USE
+    assert rules[("unused",)].rule is etrax.WeightRule.UNUSED
+    assert rules[("fc", "weight")].rule is etrax.WeightRule.TRACED
+    assert not rules[("fc", "weight")].plain_use
+    excluded = dict(graph.report().excluded_weights)
+    assert set(excluded) == {("win",), ("unused",)}
+
+
+class Processed(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = brainstate.ParamState(jnp.ones((3, 4)))
+        self.w2 = brainstate.ParamState(0.5 * jnp.ones((3, 4)))
+        self.mask = jnp.ones((3, 4)).at[0, 0].set(0.0)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        w = jnp.abs(self.w1.value + self.w2.value) * self.mask
+        h = 0.5 * self.h.value + etrax.matmul(x, w, jnp.ones(4))
+        self.h.value = h
+        return h
+
+
+def test_weight_program_resolves_every_parameter() -> None:
+    graph = _compile(Processed(), jnp.ones(3))
+    (rel,) = graph.hidden_param_op_relations
+    (weight,) = rel.trainables  # the constant bias is dropped
+    assert weight.key == "weight"
+    assert weight.paths == (("w1",), ("w2",))
+    assert set(weight.processing) >= {"add", "abs", "mul"}
+    assert graph.explain(kind=K.TRAINABLE_INVAR_NOT_PARAMSTATE)
+    assert not graph.explain(kind=K.WEIGHT_PLAIN_USE)
+    rules = graph.weight_rules()
+    assert rules[("w1",)].rule is rules[("w2",)].rule is etrax.WeightRule.TRACED
+
+
+class ShapeConflict(brainstate.nn.Module):
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.a = brainstate.HiddenState(jnp.zeros(4))
+        self.b = brainstate.HiddenState(jnp.zeros(3))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def update(self, x: ArrayLike) -> Array:
+        a = 0.5 * self.a.value + self.fc(x)
+        b = 0.5 * self.b.value + jnp.sum(a)
+        self.a.value = a
+        self.b.value = b
+        return b
+
+
+def test_coupled_states_of_different_shapes_are_split() -> None:
+    graph = _compile(ShapeConflict(), jnp.ones(3))
+    assert [g.hidden_paths for g in graph.hidden_groups] == [(("a",),), (("b",),)]
+    assert graph.explain(kind=K.GROUP_VARSHAPE_CONFLICT)
+
+
+class InCond(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        h = jax.lax.cond(x[0] > 0, lambda v: self.fc(v), lambda v: jnp.zeros(4), x)
+        self.h.value = 0.5 * self.h.value + h
+        return h
+
+
+def test_etp_op_inside_control_flow_is_refused() -> None:
+    with pytest.raises(etrax.NotSupportedError, match="jnp.where") as info:
+        _compile(InCond(), jnp.ones(3))
+    assert info.value.records[-1].kind is K.PRIMITIVE_INSIDE_CONTROL_FLOW
+
+
+class IntHidden(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+        self.count = brainstate.HiddenState(jnp.zeros((), jnp.int32))
+        self.t = brainstate.ShortTermState(jnp.zeros(()))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.5 * self.h.value + self.fc(x)
+        self.h.value = h
+        self.count.value = self.count.value + 1
+        self.t.value = self.t.value + 1.0
+        return h
+
+
+def test_non_float_hidden_and_dynamic_states() -> None:
+    graph = _compile(IntHidden(), jnp.ones(3))
+    assert graph.module_info.hidden_paths == (("h",),)
+    assert graph.explain(kind=K.HIDDEN_STATE_NOT_FLOAT)
+    assert ("t",) in graph.report().dynamic_states
+
+
+def test_tied_weight_gives_one_relation_per_call_site() -> None:
+    class Tied(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = brainstate.ParamState(0.1 * jnp.ones((4, 4)))
+
+        def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+            self.h = brainstate.HiddenState(jnp.zeros(4))
+
+        def update(self, x: ArrayLike) -> Array:
+            u = etrax.matmul(jnp.asarray(x), self.w.value)
+            h = 0.5 * self.h.value + etrax.matmul(jnp.tanh(u), self.w.value) + u
+            self.h.value = h
+            return h
+
+    graph = _compile(Tied(), jnp.ones(4))
+    paths = [r.weight_path for r in graph.hidden_param_op_relations]
+    assert paths == [("w",), ("w",)]
+    assert graph.weight_rules()[("w",)].relations == (0, 1)
+
+
+def test_leaky_linear_batched_shapes() -> None:
+    model, x = build(LeakyLinear, 3, 4, batch=2)
+    graph = etrax.compile_etrace_graph(model, x)
+    (rel,) = graph.hidden_param_op_relations
+    assert rel.tails[0].broadcast_ndim == 0
+
+
+def test_unbatched_elementwise_weight_broadcasts_over_batch() -> None:
+    from .models import ElementwiseDecay
+
+    model, x = build(ElementwiseDecay, 3, 4, batch=2)
+    graph = etrax.compile_etrace_graph(model, x)
+    tau = graph.hidden_param_op_relations[0]
+    assert tau.weight_path == ("tau",)
+    assert tau.x_var is None
+    assert tau.tails[0].broadcast_ndim == 1

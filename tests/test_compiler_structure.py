@@ -1,0 +1,185 @@
+"""Graph structure on the model catalogue (groups, relations, exclusions, report)."""
+
+import brainstate
+import jax.numpy as jnp
+import pytest
+
+import etrax
+from etrax import DiagnosticKind as K
+
+from .models import (
+    LeakyFeedForwardStack,
+    StackedGRU,
+    StackedStateNeuron,
+    TwoStateNeuron,
+    build,
+)
+
+
+def _included(graph: etrax.ETraceGraph) -> list[tuple[str | int, ...]]:
+    return [r.weight_path for r in graph.hidden_param_op_relations]
+
+
+def test_seed_example_gru() -> None:
+    gru = etrax.nn.GRUCell(3, 4)
+    brainstate.nn.init_all_states(gru)
+    graph = etrax.compile_etrace_graph(gru, brainstate.random.randn(3))
+    assert isinstance(graph, etrax.ETraceGraph)
+    assert len(graph.hidden_groups) == 1
+    info = etrax.extract_module_info(gru, brainstate.random.randn(3))
+    assert isinstance(info, etrax.ModuleInfo)
+    d = graph.dict()
+    assert set(d) == {
+        "module_info",
+        "hidden_groups",
+        "hid_path_to_group",
+        "hidden_param_op_relations",
+        "hidden_perturb",
+        "diagnostics",
+    }
+    excluded = graph.explain(kind=K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT)
+    assert [r.weight_path for r in excluded] == [("Wr", "weight")]
+    assert all(r.kind is K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT for r in excluded)
+    assert graph.explain(weight_path=("Wz", "weight"))[0].kind is K.RELATION_INCLUDED
+    assert len(graph.explain(hidden_path=("h",))) == 2
+    assert graph.explain(weight_path=("Wr", "weight"), kind=K.RELATION_INCLUDED) == ()
+    assert len(graph.explain()) == len(graph.diagnostics)
+
+
+def test_gru_structure() -> None:
+    model, x = build(etrax.nn.GRUCell, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    (grp,) = graph.hidden_groups
+    assert grp.hidden_paths == (("h",),)
+    assert grp.num_state == 1 and grp.varshape == (4,)
+    assert grp.is_diagonal_recurrence and grp.has_recurrence
+    assert _included(graph) == [("Wz", "weight"), ("Wh", "weight")]
+    assert [r.kind for r in graph.diagnostics] == [
+        K.RELATION_INCLUDED,
+        K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT,
+        K.RELATION_INCLUDED,
+    ]
+    w2w = graph.explain(kind=K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT)[0]
+    assert w2w.context_dict["blocking_weight_paths"] == (("Wh", "weight"),)
+    rel = graph.hidden_param_op_relations[0]
+    assert rel.x_shape == (7,) and rel.y_shape == (4,)
+    assert set(rel.trainable_paths) == {"weight", "bias"}
+    report = graph.report()
+    assert repr(report) == (
+        "CompilationReport(hidden_groups=1, etrace_weights=2, excluded_weights=1, warnings=1, errors=0)"
+    )
+    text = str(report)
+    assert "('Wr', 'weight')" in text and "relation_excluded_weight_to_weight" in text
+    rules = graph.weight_rules()
+    assert rules[("Wr", "weight")].rule is etrax.WeightRule.INSTANTANEOUS
+    assert rules[("Wz", "weight")].rule is etrax.WeightRule.TRACED
+
+
+def test_lstm_structure() -> None:
+    model, x = build(etrax.nn.LSTMCell, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    (grp,) = graph.hidden_groups
+    assert grp.hidden_paths == (("h",), ("c",))
+    assert grp.num_state == 2
+    assert graph.diagnostics[0].kind is K.HIDDEN_GROUP_MERGED
+    assert _included(graph) == [("Wi", "weight"), ("Wg", "weight"), ("Wf", "weight"), ("Wo", "weight")]
+    relations = graph.hidden_param_op_relations
+    assert len({r.x_var for r in relations}) == 1  # all gates read one [x, h]
+    assert relations[3].connected_hidden_paths == (("h",),)  # the output gate feeds h only
+    assert set(relations[0].connected_hidden_paths) == {("h",), ("c",)}
+
+
+def test_stacked_gru_with_readout() -> None:
+    model, x = build(StackedGRU)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert [g.hidden_paths for g in graph.hidden_groups] == [(("l1", "h"),), (("l2", "h"),)]
+    assert [g.varshape for g in graph.hidden_groups] == [(4,), (5,)]
+    assert [(r.weight_path, r.hidden_groups) for r in graph.hidden_param_op_relations] == [
+        (("l1", "Wz", "weight"), (0,)),
+        (("l1", "Wh", "weight"), (0,)),
+        (("l2", "Wz", "weight"), (1,)),
+        (("l2", "Wh", "weight"), (1,)),
+    ]
+    kinds = [(r.kind, r.weight_path) for r in graph.diagnostics]
+    assert kinds == [
+        (K.RELATION_INCLUDED, ("l1", "Wz", "weight")),
+        (K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT, ("l1", "Wr", "weight")),
+        (K.RELATION_INCLUDED, ("l1", "Wh", "weight")),
+        (K.RELATION_INCLUDED, ("l2", "Wz", "weight")),
+        (K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT, ("l2", "Wr", "weight")),
+        (K.RELATION_INCLUDED, ("l2", "Wh", "weight")),
+        (K.RELATION_EXCLUDED_NON_TEMPORAL, ("out", "weight")),
+    ]
+    excluded = dict(graph.report().excluded_weights)
+    assert excluded == {
+        ("l1", "Wr", "weight"): "relation_excluded_weight_to_weight",
+        ("l2", "Wr", "weight"): "relation_excluded_weight_to_weight",
+        ("out", "weight"): "relation_excluded_non_temporal",
+    }
+
+
+def test_vanilla_rnn_zero_recurrence_group() -> None:
+    model, x = build(etrax.nn.VanillaRNNCell, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    (grp,) = graph.hidden_groups
+    assert not grp.has_recurrence
+    assert grp.transition.num_equations == 0
+    d = grp.diagonal_jacobian([jnp.ones(4)], [jnp.ones(4)])
+    assert d.shape == (4, 1, 1) and float(jnp.max(jnp.abs(d))) == 0.0
+    assert _included(graph) == [("W", "weight")]
+    assert graph.explain(kind=K.HIDDEN_GROUP_NO_RECURRENCE)
+
+
+@pytest.mark.parametrize("cls", [TwoStateNeuron, StackedStateNeuron])
+def test_two_state_neuron_one_group(cls: type[brainstate.nn.Module]) -> None:
+    model, x = build(cls, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    (grp,) = graph.hidden_groups
+    assert grp.num_state == 2 and grp.varshape == (4,)
+    assert grp.is_diagonal_recurrence
+    (rel,) = graph.hidden_param_op_relations
+    assert rel.hidden_groups == (0,)
+
+
+@pytest.mark.parametrize(
+    ("cls", "args"),
+    [(etrax.nn.GRUCell, (3, 4)), (TwoStateNeuron, (3, 4)), (etrax.nn.LSTMCell, (3, 4))],
+)
+def test_batch_axis_inside_varshape(cls: type[brainstate.nn.Module], args: tuple[int, int]) -> None:
+    model, x = build(cls, *args, batch=2)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert all(g.varshape == (2, 4) for g in graph.hidden_groups)
+    unbatched, x1 = build(cls, *args)
+    g1 = etrax.compile_etrace_graph(unbatched, x1)
+    assert [r.kind for r in graph.diagnostics] == [r.kind for r in g1.diagnostics]
+    rel = graph.hidden_param_op_relations[0]
+    rel1 = g1.hidden_param_op_relations[0]
+    assert rel1.x_shape is not None
+    assert rel.x_shape == (2, *rel1.x_shape) and rel.y_shape == (2, 4)
+
+
+def test_other_cells() -> None:
+    mgu, x = build(etrax.nn.MGUCell, 3, 4)
+    g = etrax.compile_etrace_graph(mgu, x)
+    assert _included(g) == [("Wf", "weight"), ("Wh", "weight")]
+    partial = g.explain(kind=K.RELATION_PARTIAL_PATH)
+    assert [r.weight_path for r in partial] == [("Wf", "weight")]
+    mini, x = build(etrax.nn.MiniGRU, 3, 4)
+    g = etrax.compile_etrace_graph(mini, x)
+    assert set(_included(g)) == {("W_x", "weight"), ("W_z", "weight")}
+    assert not g.explain(kind=K.RELATION_PARTIAL_PATH)
+
+
+def test_inter_layer_path_is_not_partial() -> None:
+    model, x = build(LeakyFeedForwardStack, 3, 4, 5)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert not graph.explain(kind=K.RELATION_PARTIAL_PATH)
+    assert [r.hidden_groups for r in graph.hidden_param_op_relations] == [(0,), (1,)]
+
+
+def test_leaky_rate_readout_is_traced() -> None:
+    model = etrax.nn.LeakyRateReadout(3, 2, tau=5.0)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    assert [r.weight_path for r in graph.hidden_param_op_relations] == [("weight",)]
+    assert graph.hidden_groups[0].is_diagonal_recurrence

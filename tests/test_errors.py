@@ -1,0 +1,142 @@
+"""Bad input gets a typed error with an actionable message, before any deep JAX trace."""
+
+from typing import Any
+
+import brainstate
+import jax
+import jax.numpy as jnp
+import pytest
+from jaxtyping import Array, ArrayLike
+
+import etrax
+
+from .models import LeakyLinear, build
+
+
+class WritesWeight(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(jnp.ones((3, 4)))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        self.w.value = self.w.value * 0.5
+        h = self.h.value + etrax.matmul(x, self.w.value)
+        self.h.value = h
+        return h
+
+
+class ConstantWeight(brainstate.nn.Module):
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.5 * self.h.value + etrax.matmul(x, jnp.ones((3, 4)))
+        self.h.value = h
+        return h
+
+
+class DataWeight(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(jnp.ones((3, 4)))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        w = self.w.value * jnp.sum(self.h.value)
+        h = 0.5 * self.h.value + etrax.matmul(x, w)
+        self.h.value = h
+        return h
+
+
+class CompilesInside(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = LeakyLinear(3, 4)
+
+    def update(self, x: ArrayLike) -> Array:
+        etrax.compile_etrace_graph(self.inner, x)
+        return self.inner(x)
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="brainstate.nn.Module"):
+        etrax.compile_etrace_graph(lambda x: x, jnp.ones(3))  # type: ignore[arg-type]
+
+
+def test_states_not_initialised() -> None:
+    gru = etrax.nn.GRUCell(3, 4)
+    with pytest.raises(etrax.StateNotInitializedError, match="init_all_states"):
+        etrax.compile_etrace_graph(gru, jnp.ones(3))
+
+
+def test_step_writes_a_param_state() -> None:
+    model = WritesWeight()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.ParamStateWriteError, match=r"\('w',\)") as info:
+        etrax.compile_etrace_graph(model, jnp.ones(3))
+    assert info.value.records[-1].kind is etrax.DiagnosticKind.PARAM_STATE_WRITE
+    assert isinstance(info.value, etrax.CompilationError)
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        ((jnp.ones(3), jnp.ones(3)), "do not match"),
+        ((), "do not match"),
+        ((jnp.ones(5),), "shapes"),
+        ((jnp.ones((2, 3)),), "shapes"),
+    ],
+)
+def test_example_inputs_do_not_match_update(args: tuple[Any, ...], pattern: str) -> None:
+    model, _ = build(etrax.nn.GRUCell, 3, 4)
+    with pytest.raises(etrax.InputStructureError, match=pattern):
+        etrax.compile_etrace_graph(model, *args)
+
+
+def test_etp_weight_is_not_a_param_state() -> None:
+    model = ConstantWeight()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.WeightNotParamStateError, match="ParamState") as info:
+        etrax.compile_etrace_graph(model, jnp.ones(3))
+    assert "test_errors.py" in str(info.value)  # points at the user's line
+    model2 = DataWeight()
+    brainstate.nn.init_all_states(model2)
+    with pytest.raises(etrax.WeightNotParamStateError, match="depends on the step's inputs"):
+        etrax.compile_etrace_graph(model2, jnp.ones(3))
+
+
+def test_recursive_compile() -> None:
+    model = CompilesInside()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.RecursiveCompileError, match="outside of any transformation"):
+        etrax.compile_etrace_graph(model, jnp.ones(3))
+
+
+def test_compile_under_jit_is_refused() -> None:
+    model, x = build(LeakyLinear, 3, 4)
+
+    @jax.jit
+    def f(x: Array) -> Array:
+        etrax.compile_etrace_graph(model, x)
+        return x
+
+    with pytest.raises(etrax.RecursiveCompileError):
+        f(x)
+
+
+def test_op_argument_errors() -> None:
+    with pytest.raises(ValueError, match="input features"):
+        etrax.matmul(jnp.ones(3), jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match=r"\(batch, in\)"):
+        etrax.matmul(jnp.ones((2, 2, 3)), jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match="bias"):
+        etrax.matmul(jnp.ones(3), jnp.ones((3, 2)), jnp.ones(3))
+    with pytest.raises(TypeError, match="weight_fn"):
+        etrax.matmul(jnp.ones(3), jnp.ones((3, 2)), weight_fn=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="non-empty"):
+        etrax.register_primitive("", lambda x: x)

@@ -1,0 +1,197 @@
+"""Jacobian oracles (float64): the compiler's transitions and tails against
+`jax.jacrev` of brainstate's own one-step map, and the perturbation against
+`jax.grad` of a loss on the step's outputs."""
+
+from typing import Any
+
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array
+
+import etrax
+
+from .models import (
+    CATALOGUE,
+    LeakyFeedForwardStack,
+    MeanMixing,
+    ModelCase,
+    RollMixing,
+    StackedGRU,
+    TwoStateNeuron,
+    build,
+)
+from .oracles import (
+    BrainstateStep,
+    block_diagonal,
+    graph_env,
+    pure_call,
+    random_state_values,
+    tail_diagonal,
+)
+
+TOL = 1e-10
+
+MIXING = (
+    ModelCase("mean_mixing", lambda: build(MeanMixing, 3, 4), False),
+    ModelCase("roll_mixing", lambda: build(RollMixing, 3, 4), False),
+)
+
+
+def _setup(case: ModelCase) -> tuple[etrax.ETraceGraph, BrainstateStep, dict[Any, Any], Any]:
+    model, x = case.make()
+    graph = etrax.compile_etrace_graph(model, x)
+    step = BrainstateStep(model, (x,))
+    values = random_state_values(graph)
+    return graph, step, values, x
+
+
+@pytest.mark.parametrize("case", CATALOGUE + MIXING, ids=lambda c: c.name)
+def test_transition_jacobian_matches_jacrev(case: ModelCase) -> None:
+    graph, step, values, x = _setup(case)
+    env = graph_env(graph, (x,), values)
+    hidden_paths = graph.module_info.hidden_paths
+
+    def new_hidden(*hs: Array) -> dict[Any, Array]:
+        vals = dict(values)
+        vals.update(zip(hidden_paths, hs, strict=True))
+        # Diagonal models: the whole step. Others: weights' outputs held fixed.
+        _, new = step(vals, freeze_weights=not case.diagonal)
+        return {p: new[p] for p in hidden_paths}
+
+    h0 = [values[p] for p in hidden_paths]
+    jac = jax.jacrev(new_hidden, argnums=tuple(range(len(h0))))(*h0)
+    jac_by_path = {a: dict(zip(hidden_paths, jac[a], strict=True)) for a in hidden_paths}
+    for grp in graph.hidden_groups:
+        hidden = [values[p] for p in grp.hidden_paths]
+        consts = [env[c] for c in grp.transition_consts]
+        D = np.asarray(grp.diagonal_jacobian(hidden, consts))
+        blocks = block_diagonal(jac_by_path, grp)
+        P = blocks.shape[0]
+        rows = np.arange(P)
+        expected = blocks[rows, :, rows, :].reshape(D.shape)
+        np.testing.assert_allclose(D, expected, rtol=0, atol=TOL)
+        if case.diagonal:
+            off = blocks.copy()
+            off[rows, :, rows, :] = 0.0
+            assert np.max(np.abs(off)) < TOL, "a diagonal model has cross-position terms"
+            assert grp.is_diagonal_recurrence
+
+
+@pytest.mark.parametrize("case", CATALOGUE + MIXING, ids=lambda c: c.name)
+def test_tail_diagonal_matches_jacrev(case: ModelCase) -> None:
+    graph, step, values, x = _setup(case)
+    env = graph_env(graph, (x,), values)
+    mine = [r.eqn_index for r in graph.hidden_param_op_relations]
+    etp_in_step = [
+        i for i, e in enumerate(graph.module_info.jaxpr.eqns) if etrax.etp_spec(e.primitive) is not None
+    ]
+    for rel in graph.hidden_param_op_relations:
+        y = env[rel.y_var]
+        k = step.etp_equations[etp_in_step.index(rel.eqn_index)]
+        assert rel.eqn_index in mine
+
+        def inject(delta: Array, _k: int = k) -> dict[Any, Array]:
+            _, new = step(values, freeze_weights=True, inject=(_k, delta))
+            return new
+
+        jac_y = jax.jacrev(inject)(jnp.zeros_like(y))
+        for tail in rel.tails:
+            grp = graph.hidden_groups[tail.group_index]
+            df = np.asarray(tail.diagonal_jacobian(y, [env[c] for c in tail.consts], grp))
+            expected, off = tail_diagonal({p: jac_y[p] for p in grp.hidden_paths}, grp, rel.y_shape)
+            np.testing.assert_allclose(df, expected, rtol=0, atol=TOL)
+            if tail.is_diagonal:
+                assert off < TOL
+
+
+def test_position_mixing_is_flagged() -> None:
+    model, x = build(MeanMixing, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    (grp,) = graph.hidden_groups
+    assert not grp.is_diagonal_recurrence
+    assert grp.mixing_reason is not None and "reduce_sum" in grp.mixing_reason
+    (rec,) = graph.explain(kind=etrax.DiagnosticKind.TRANSITION_MIXES_POSITIONS)
+    assert rec.level is etrax.DiagnosticLevel.WARNING
+    model, x = build(RollMixing, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert not graph.hidden_groups[0].is_diagonal_recurrence
+    (rel,) = graph.hidden_param_op_relations
+    assert not rel.tails[0].is_diagonal
+    assert graph.explain(kind=etrax.DiagnosticKind.TAIL_MIXES_POSITIONS)
+
+
+# --- perturbation: ∂L/∂h^t ------------------------------------------------------------
+
+def _perturbation_grads(
+    graph: etrax.ETraceGraph, x: Any, values: dict[Any, Any], cot: Array
+) -> dict[Any, Array]:
+    hp = graph.hidden_perturb
+    assert hp is not None
+
+    def loss(perturbs: list[Array]) -> Array:
+        out, _, _, _ = graph.call_hidden_perturb((x,), perturbs, values)
+        return jnp.sum(out * cot)
+
+    grads = jax.grad(loss)(hp.init_perturb_data())
+    return dict(zip(hp.perturb_hidden_paths, grads, strict=True))
+
+
+def _out_cotangent(graph: etrax.ETraceGraph, values: dict[Any, Any], x: Any) -> Array:
+    out, _, _, _ = graph.module_info.jaxpr_call(x, old_state_vals=values)
+    return jax.random.normal(jax.random.PRNGKey(3), jnp.shape(out), jnp.result_type(out))
+
+
+def test_perturbation_gru_lstm_two_state() -> None:
+    for cls in (etrax.nn.GRUCell, etrax.nn.LSTMCell, TwoStateNeuron):
+        model, x = build(cls, 3, 4)
+        graph = etrax.compile_etrace_graph(model, x)
+        values = random_state_values(graph)
+        cot = _out_cotangent(graph, values, x)
+        grads = _perturbation_grads(graph, x, values, cot)
+        # The output is the first hidden state's new value itself.
+        first = graph.module_info.hidden_paths[0]
+        np.testing.assert_allclose(grads[first], cot, rtol=0, atol=TOL)
+        # Other members feed the output only through the traced transition.
+        for p in graph.module_info.hidden_paths[1:]:
+            np.testing.assert_allclose(grads[p], 0.0, atol=TOL)
+
+
+def test_perturbation_stacked_layers_through_weights() -> None:
+    for cls, args in ((StackedGRU, ()), (LeakyFeedForwardStack, (3, 4, 5))):
+        model, x = build(cls, *args)
+        graph = etrax.compile_etrace_graph(model, x)
+        values = random_state_values(graph)
+        cot = _out_cotangent(graph, values, x)
+        grads = _perturbation_grads(graph, x, values, cot)
+        l1, l2 = graph.module_info.hidden_paths
+        m: Any = model
+        readout = m.out if hasattr(m, "out") else m.readout
+
+        def from_h2(h2: Array) -> Array:
+            return jnp.sum(readout(h2) * cot)
+
+        new_vals = graph.module_info.jaxpr_call(x, old_state_vals=values)[1]
+        # layer 2 reads h1 through its weights: that whole route counts
+        from_h1 = pure_call(
+            model, lambda h1: jnp.sum(readout(m.l2(h1)) * cot), values, new_vals[l1]
+        )
+        g2 = jax.grad(from_h2)(new_vals[l2])
+        g1 = jax.grad(from_h1)(new_vals[l1])
+        np.testing.assert_allclose(grads[l2], g2, rtol=0, atol=TOL)
+        np.testing.assert_allclose(grads[l1], g1, rtol=0, atol=TOL)
+
+
+def test_perturbation_is_a_no_op_at_zero() -> None:
+    for case in CATALOGUE:
+        model, x = case.make()
+        graph = etrax.compile_etrace_graph(model, x)
+        values = random_state_values(graph)
+        hp = graph.hidden_perturb
+        assert hp is not None
+        a = graph.call_hidden_perturb((x,), hp.init_perturb_data(), values)
+        b = graph.module_info.jaxpr_call(x, old_state_vals=values)
+        for u, v in zip(jax.tree.leaves(a[:3]), jax.tree.leaves(b[:3]), strict=True):
+            np.testing.assert_array_equal(u, v)
