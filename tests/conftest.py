@@ -8,18 +8,19 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
-import brainstate  # noqa: E402
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import brainstate
+import jax
+import jax.numpy as jnp
+import pytest
 
-# brainstate may reset jax_enable_x64 on import: set precision through it as well.
-jax.config.update("jax_enable_x64", True)
+# brainstate may reset jax_enable_x64 on import: set the precision through brainstate,
+# which also switches JAX to 64 bits.
 brainstate.environ.set(precision=64)
-jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_dtype_promotion", "strict")  # type: ignore[no-untyped-call]  # unannotated in JAX
 
 
 @pytest.fixture(autouse=True)
 def _float64() -> None:
     """Every test runs in float64 (some tests may switch precision locally)."""
-    jax.config.update("jax_enable_x64", True)
     brainstate.environ.set(precision=64)
+    assert jnp.zeros(()).dtype == jnp.float64

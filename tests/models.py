@@ -21,7 +21,9 @@ __all__ = ["CATALOGUE", "ModelCase", "build"]
 
 
 def _w(key: int, shape: tuple[int, ...], scale: float = 0.5) -> Array:
-    return scale * jax.random.normal(jax.random.PRNGKey(key), shape, dtype=brainstate.environ.dftype())
+    return scale * jax.random.normal(
+        jax.random.PRNGKey(key), shape, dtype=brainstate.environ.dftype()
+    )
 
 
 class LeakyLinear(brainstate.nn.Module):
@@ -214,7 +216,9 @@ class ModelCase:
     """Whether the recurrence is truly position-diagonal (D equals the exact Jacobian)."""
 
 
-def build(cls: Callable[..., brainstate.nn.Module], *args: Any, batch: int | None = None, n_in: int = 3) -> tuple[brainstate.nn.Module, Any]:
+def build(
+    cls: Callable[..., brainstate.nn.Module], *args: Any, batch: int | None = None, n_in: int = 3
+) -> tuple[brainstate.nn.Module, Any]:
     model = cls(*args)
     brainstate.nn.init_all_states(model, batch_size=batch)
     x_shape = (n_in,) if batch is None else (batch, n_in)

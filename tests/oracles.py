@@ -109,7 +109,9 @@ class BrainstateStep:
         self.num_out = len(jax.tree.leaves(out_shapes))
         self.out_tree = jax.tree.structure(out_shapes)
         self.etp_equations = [
-            i for i, e in enumerate(self.closed.jaxpr.eqns) if etrax.etp_spec(e.primitive) is not None
+            i
+            for i, e in enumerate(self.closed.jaxpr.eqns)
+            if etrax.etp_spec(e.primitive) is not None
         ]
 
     def __call__(
@@ -128,7 +130,11 @@ class BrainstateStep:
         pos = self.num_out
         for p, st in zip(self.paths, self.states, strict=True):
             n = len(jax.tree.leaves(st.value))
-            new[p] = outs[pos] if n == 1 else jax.tree.unflatten(jax.tree.structure(st.value), outs[pos : pos + n])
+            new[p] = (
+                outs[pos]
+                if n == 1
+                else jax.tree.unflatten(jax.tree.structure(st.value), outs[pos : pos + n])
+            )
             pos += n
         return out, new
 
@@ -145,7 +151,9 @@ def block_diagonal(
     for a_path, ka in zip(group.hidden_paths, group.num_states, strict=True):
         rb = 0
         for b_path, kb in zip(group.hidden_paths, group.num_states, strict=True):
-            blocks[:, ra : ra + ka, :, rb : rb + kb] = np.asarray(jac[a_path][b_path]).reshape(P, ka, P, kb)
+            blocks[:, ra : ra + ka, :, rb : rb + kb] = np.asarray(jac[a_path][b_path]).reshape(
+                P, ka, P, kb
+            )
             rb += kb
         ra += ka
     return blocks

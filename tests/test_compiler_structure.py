@@ -66,7 +66,8 @@ def test_gru_structure() -> None:
     assert set(rel.trainable_paths) == {"weight", "bias"}
     report = graph.report()
     assert repr(report) == (
-        "CompilationReport(hidden_groups=1, etrace_weights=2, excluded_weights=1, warnings=1, errors=0)"
+        "CompilationReport(hidden_groups=1, etrace_weights=2, excluded_weights=1, "
+        "warnings=1, errors=0)"
     )
     text = str(report)
     assert "('Wr', 'weight')" in text and "relation_excluded_weight_to_weight" in text
@@ -82,7 +83,12 @@ def test_lstm_structure() -> None:
     assert grp.hidden_paths == (("h",), ("c",))
     assert grp.num_state == 2
     assert graph.diagnostics[0].kind is K.HIDDEN_GROUP_MERGED
-    assert _included(graph) == [("Wi", "weight"), ("Wg", "weight"), ("Wf", "weight"), ("Wo", "weight")]
+    assert _included(graph) == [
+        ("Wi", "weight"),
+        ("Wg", "weight"),
+        ("Wf", "weight"),
+        ("Wo", "weight"),
+    ]
     relations = graph.hidden_param_op_relations
     assert len({r.x_var for r in relations}) == 1  # all gates read one [x, h]
     assert relations[3].connected_hidden_paths == (("h",),)  # the output gate feeds h only

@@ -6,6 +6,7 @@ import brainstate
 import jax
 import jax.numpy as jnp
 import pytest
+from beartype.roar import BeartypeCallHintParamViolation
 from jaxtyping import Array, ArrayLike
 
 import etrax
@@ -64,8 +65,13 @@ class CompilesInside(brainstate.nn.Module):
 
 
 def test_not_a_module() -> None:
-    with pytest.raises(TypeError, match="brainstate.nn.Module"):
+    # Under the test suite's runtime type checking the signature itself refuses it ...
+    with pytest.raises((TypeError, BeartypeCallHintParamViolation), match="Module"):
         etrax.compile_etrace_graph(lambda x: x, jnp.ones(3))  # type: ignore[arg-type]
+    # ... and without it, etrax's own check says what to do.
+    unchecked: Any = etrax.extract.__wrapped__  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="update\\(x\\) performs one time step"):
+        unchecked(lambda x: x, jnp.ones(3))
 
 
 def test_states_not_initialised() -> None:

@@ -86,7 +86,9 @@ def test_tail_diagonal_matches_jacrev(case: ModelCase) -> None:
     env = graph_env(graph, (x,), values)
     mine = [r.eqn_index for r in graph.hidden_param_op_relations]
     etp_in_step = [
-        i for i, e in enumerate(graph.module_info.jaxpr.eqns) if etrax.etp_spec(e.primitive) is not None
+        i
+        for i, e in enumerate(graph.module_info.jaxpr.eqns)
+        if etrax.etp_spec(e.primitive) is not None
     ]
     for rel in graph.hidden_param_op_relations:
         y = env[rel.y_var]
@@ -125,6 +127,7 @@ def test_position_mixing_is_flagged() -> None:
 
 # --- perturbation: ∂L/∂h^t ------------------------------------------------------------
 
+
 def _perturbation_grads(
     graph: etrax.ETraceGraph, x: Any, values: dict[Any, Any], cot: Array
 ) -> dict[Any, Array]:
@@ -159,29 +162,29 @@ def test_perturbation_gru_lstm_two_state() -> None:
             np.testing.assert_allclose(grads[p], 0.0, atol=TOL)
 
 
-def test_perturbation_stacked_layers_through_weights() -> None:
-    for cls, args in ((StackedGRU, ()), (LeakyFeedForwardStack, (3, 4, 5))):
-        model, x = build(cls, *args)
-        graph = etrax.compile_etrace_graph(model, x)
-        values = random_state_values(graph)
-        cot = _out_cotangent(graph, values, x)
-        grads = _perturbation_grads(graph, x, values, cot)
-        l1, l2 = graph.module_info.hidden_paths
-        m: Any = model
-        readout = m.out if hasattr(m, "out") else m.readout
+@pytest.mark.parametrize(
+    ("cls", "args"), [(StackedGRU, ()), (LeakyFeedForwardStack, (3, 4, 5))], ids=["gru", "leaky"]
+)
+def test_perturbation_stacked_layers_through_weights(
+    cls: type[brainstate.nn.Module], args: tuple[int, ...]
+) -> None:
+    model, x = build(cls, *args)
+    graph = etrax.compile_etrace_graph(model, x)
+    values = random_state_values(graph)
+    cot = _out_cotangent(graph, values, x)
+    grads = _perturbation_grads(graph, x, values, cot)
+    l1, l2 = graph.module_info.hidden_paths
+    m: Any = model
+    readout = m.out if hasattr(m, "out") else m.readout
 
-        def from_h2(h2: Array) -> Array:
-            return jnp.sum(readout(h2) * cot)
+    def from_h2(h2: Array) -> Array:
+        return jnp.sum(readout(h2) * cot)
 
-        new_vals = graph.module_info.jaxpr_call(x, old_state_vals=values)[1]
-        # layer 2 reads h1 through its weights: that whole route counts
-        from_h1 = pure_call(
-            model, lambda h1: jnp.sum(readout(m.l2(h1)) * cot), values, new_vals[l1]
-        )
-        g2 = jax.grad(from_h2)(new_vals[l2])
-        g1 = jax.grad(from_h1)(new_vals[l1])
-        np.testing.assert_allclose(grads[l2], g2, rtol=0, atol=TOL)
-        np.testing.assert_allclose(grads[l1], g1, rtol=0, atol=TOL)
+    new_vals = graph.module_info.jaxpr_call(x, old_state_vals=values)[1]
+    # layer 2 reads h1 through its weights: that whole route counts
+    from_h1 = pure_call(model, lambda h1: jnp.sum(readout(m.l2(h1)) * cot), values, new_vals[l1])
+    np.testing.assert_allclose(grads[l2], jax.grad(from_h2)(new_vals[l2]), rtol=0, atol=TOL)
+    np.testing.assert_allclose(grads[l1], jax.grad(from_h1)(new_vals[l1]), rtol=0, atol=TOL)
 
 
 def test_perturbation_is_a_no_op_at_zero() -> None:

@@ -21,6 +21,16 @@ def _rand(key: int, shape: tuple[int, ...]) -> Array:
     return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float64)
 
 
+def _struct(a: Array) -> jax.ShapeDtypeStruct:
+    out: jax.ShapeDtypeStruct = jax.eval_shape(lambda: a)
+    return out
+
+
+def _bind(prim: Any, *args: Any, **params: Any) -> Array:
+    out: Array = prim.bind(*args, **params)
+    return out
+
+
 def _mask(w: Array) -> Array:
     return jnp.abs(w) * 2.0
 
@@ -66,10 +76,7 @@ def test_matmul_rules_against_vjp(
     sig = _rand(5, y.shape)
     trace = rules.instant(x, df, weights, params)
     shapes = rules.param_trace_shapes(
-        jax.ShapeDtypeStruct(x.shape, x.dtype),
-        jax.ShapeDtypeStruct(y.shape, y.dtype),
-        {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in weights.items()},
-        params,
+        _struct(x), _struct(y), {k: _struct(v) for k, v in weights.items()}, params
     )
     assert {k: v.shape for k, v in trace.items()} == shapes
     solved = rules.solve(sig, trace, weights, params)
@@ -119,7 +126,9 @@ def test_matmul_primitive_under_transformations() -> None:
     jaxpr = jax.make_jaxpr(jax.vmap(lambda v: etrax.matmul(v, w, b)))(xs)
     (eqn,) = [e for e in jaxpr.eqns if e.primitive is matmul_p]
     assert eqn.invars[0].aval.shape == (5, 3)
-    np.testing.assert_allclose(jax.vmap(lambda v: etrax.matmul(v, w, b))(xs), xs @ w + b, rtol=1e-12)
+    np.testing.assert_allclose(
+        jax.vmap(lambda v: etrax.matmul(v, w, b))(xs), xs @ w + b, rtol=1e-12
+    )
     # nested vmap folds the batch axes
     xss = _rand(4, (2, 5, 3))
     out = jax.vmap(jax.vmap(lambda v: etrax.matmul(v, w, b)))(xss)
@@ -203,7 +212,7 @@ class UsesCustomOp(brainstate.nn.Module):
         self.h = brainstate.HiddenState(jnp.zeros(4))
 
     def update(self, x: ArrayLike) -> Array:
-        h = 0.5 * self.h.value + SCALED.bind(jnp.asarray(x), self.w.value, scale=2.0)
+        h = 0.5 * self.h.value + _bind(SCALED, jnp.asarray(x), self.w.value, scale=2.0)
         self.h.value = h
         return h
 
@@ -218,7 +227,7 @@ def test_user_registered_primitive_is_recognised() -> None:
     x = _rand(2, (3,))
     w = _rand(3, (3, 4))
     cot = _rand(4, (4,))
-    _, vjp = jax.vjp(lambda v: SCALED.bind(x, v, scale=2.0), w)
+    _, vjp = jax.vjp(lambda v: _bind(SCALED, x, v, scale=2.0), w)
     rules = rel.spec.rules
     assert rules is not None
     np.testing.assert_allclose(

@@ -75,9 +75,15 @@ _exclude_from_locations(
     _os.path.join(_here, "ops") + _os.sep,
     _os.path.join(_here, "compiler") + _os.sep,
     _os.path.join(_here, "nn", "_linear.py"),
+    _os.path.join(_here, "_compat.py"),
     *(
-        _os.path.dirname(_pkg.__file__) + _os.sep
-        for _pkg in (_brainstate, _jaxtyping, _beartype, _equinox)
+        _os.path.dirname(_file) + _os.sep
+        for _file in (
+            _brainstate.__file__,
+            _jaxtyping.__file__,
+            _beartype.__file__,
+            _equinox.__file__,
+        )
     ),
 )
 

@@ -21,6 +21,8 @@ __all__ = [
     "Primitive",
     "ShapedArray",
     "Var",
+    "aval_of",
+    "bind",
     "bind_equation",
     "call_body",
     "define_primitive",
@@ -29,7 +31,11 @@ __all__ = [
     "exclude_from_locations",
     "inner_closed_jaxprs",
     "is_tracer",
+    "replace_jaxpr",
+    "replace_outvars",
+    "shape_struct",
     "shaped_array",
+    "struct_of",
 ]
 
 Primitive = jex.Primitive
@@ -53,6 +59,38 @@ def is_tracer(value: object) -> bool:
 def shaped_array(shape: Sequence[int], dtype: Any, weak_type: bool = False) -> Any:
     """A `ShapedArray` abstract value."""
     return jax.core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)
+
+
+def shape_struct(shape: Sequence[int], dtype: Any, weak_type: bool = False) -> jax.ShapeDtypeStruct:
+    """A `jax.ShapeDtypeStruct` (typed wrapper: JAX's constructor is unannotated)."""
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=weak_type)  # type: ignore[no-untyped-call]
+
+
+def aval_of(atom: Any) -> Any:
+    """The abstract value (shape, dtype, weak_type) of a jaxpr variable or literal."""
+    return atom.aval
+
+
+def struct_of(atom: Any) -> jax.ShapeDtypeStruct:
+    """A `jax.ShapeDtypeStruct` describing a jaxpr variable (weak type kept)."""
+    aval = atom.aval
+    return shape_struct(aval.shape, aval.dtype, weak_type=bool(getattr(aval, "weak_type", False)))
+
+
+def bind(primitive: Any, *operands: Any, **params: Any) -> jax.Array:
+    """``primitive.bind`` for a single-result primitive (JAX's `bind` is unannotated)."""
+    out: jax.Array = primitive.bind(*operands, **params)
+    return out
+
+
+def replace_outvars(jaxpr: Any, outvars: Sequence[Any]) -> Any:
+    """A copy of `jaxpr` with other output atoms (same variables, constants and equations)."""
+    return jaxpr.replace(outvars=list(outvars))
+
+
+def replace_jaxpr(jaxpr: Any, **fields: Any) -> Any:
+    """`Jaxpr.replace` (keeps valid debug info when inputs or outputs change)."""
+    return jaxpr.replace(**fields)
 
 
 def call_body(eqn: Any) -> "jex.ClosedJaxpr | None":
@@ -145,24 +183,22 @@ def define_primitive(
     - batching uses `batch_rule` if given, else `jax.vmap(impl)`.
     """
     prim = jex.Primitive(name)
-    prim.def_impl(impl)
+    prim.def_impl(impl)  # type: ignore[no-untyped-call]  # JAX's Primitive API is unannotated
 
     def abstract_eval(*avals: Any, **params: Any) -> Any:
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        structs = [shape_struct(a.shape, a.dtype) for a in avals]
         out = jax.eval_shape(lambda *ops: impl(*ops, **params), *structs)
         return jax.core.ShapedArray(out.shape, out.dtype)
 
-    prim.def_abstract_eval(abstract_eval)
+    prim.def_abstract_eval(abstract_eval)  # type: ignore[no-untyped-call]  # unannotated in JAX
 
     def lower(ctx: Any, *args: Any, **params: Any) -> Any:
-        return mlir.lower_fun(lambda *ops: impl(*ops, **params), multiple_results=False)(
-            ctx, *args
-        )
+        return mlir.lower_fun(lambda *ops: impl(*ops, **params), multiple_results=False)(ctx, *args)
 
     mlir.register_lowering(prim, lower)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
-        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        tangents = [ad.instantiate_zeros(t) for t in tangents]  # type: ignore[no-untyped-call]
         return jax.jvp(lambda *ops: impl(*ops, **params), tuple(primals), tuple(tangents))
 
     ad.primitive_jvps[prim] = jvp

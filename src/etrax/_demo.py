@@ -22,7 +22,7 @@ class StackedGRU(brainstate.nn.Module):
         self.out = nn.Linear(n_hidden, n_out)
 
     def update(self, x: ArrayLike) -> Array:
-        return self.out(self.l2(self.l1(x)))  # type: ignore[no-any-return]
+        return self.out(self.l2(self.l1(x)))
 
 
 class AdaptiveNeuron(brainstate.nn.Module):

@@ -34,6 +34,9 @@ class FrozenDict(Mapping[K, V], Generic[K, V]):
 
     __slots__ = ("_data", "_hash")
 
+    _data: dict[K, V]
+    _hash: int | None
+
     def __init__(self, items: Mapping[K, V] | None = None) -> None:
         object.__setattr__(self, "_data", dict(items or {}))
         object.__setattr__(self, "_hash", None)
@@ -42,7 +45,7 @@ class FrozenDict(Mapping[K, V], Generic[K, V]):
         raise AttributeError("FrozenDict is immutable")
 
     def __getitem__(self, key: K) -> V:
-        return self._data[key]  # type: ignore[no-any-return]
+        return self._data[key]
 
     def __iter__(self) -> Iterator[K]:
         return iter(self._data)
@@ -58,7 +61,7 @@ class FrozenDict(Mapping[K, V], Generic[K, V]):
         if h is None:
             h = hash(self._key())
             object.__setattr__(self, "_hash", h)
-        return h  # type: ignore[no-any-return]
+        return h
 
     def __eq__(self, other: object) -> bool:
         if self is other:

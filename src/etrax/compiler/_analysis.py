@@ -15,11 +15,11 @@ boundary notion, so they agree by construction.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._compat import JaxprEqn, Var
+from .._compat import JaxprEqn, Var, aval_of
 from .._typing import Path
 from ..ops import etp_spec
-from ._module_info import ModuleInfo
 from ._jaxpr import VarTable
+from ._module_info import ModuleInfo
 from ._positions import AlignMap, Mixed, analyse, identity_align, positions_rule
 
 __all__ = ["StepAnalysis", "analyse_step", "is_boundary_equation"]
@@ -83,7 +83,7 @@ def analyse_step(minfo: ModuleInfo) -> StepAnalysis:
         src = offset + n
         y_sources[i] = src
         if isinstance(y, Var):
-            seeds.setdefault(y, {})[src] = identity_align(tuple(y.aval.shape))
+            seeds.setdefault(y, {})[src] = identity_align(tuple(aval_of(y).shape))
     maps, boundaries = analyse(
         minfo.jaxpr, seeds, lambda i, eqn, in_maps: is_boundary_equation(eqn, in_maps)
     )

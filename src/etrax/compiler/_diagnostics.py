@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 
-class DiagnosticLevel(str, enum.Enum):
+class DiagnosticLevel(enum.StrEnum):
     """How much a diagnostic matters: `INFO` is bookkeeping, `WARNING` means a weight
     or a Jacobian is approximated or not traced, `ERROR` accompanies a failed compile."""
 
@@ -25,7 +25,7 @@ class DiagnosticLevel(str, enum.Enum):
     ERROR = "error"
 
 
-class DiagnosticKind(str, enum.Enum):
+class DiagnosticKind(enum.StrEnum):
     """Every kind of record the compiler can emit (a closed family)."""
 
     # relations

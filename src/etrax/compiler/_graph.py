@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import brainstate
 import equinox as eqx
 
 from .._frozen import FrozenDict
@@ -105,9 +106,12 @@ class ETraceGraph(eqx.Module):
             raise TypeError(f"kind must be an etrax.DiagnosticKind, got {kind!r}")
         out = []
         for r in self.diagnostics:
-            if weight_path is not None and r.weight_path != tuple(weight_path):
-                if tuple(weight_path) not in r.context_dict.get("weight_paths", ()):
-                    continue
+            if (
+                weight_path is not None
+                and r.weight_path != tuple(weight_path)
+                and tuple(weight_path) not in r.context_dict.get("weight_paths", ())
+            ):
+                continue
             if hidden_path is not None and tuple(hidden_path) not in r.hidden_paths:
                 continue
             if kind is not None and r.kind is not kind:
@@ -254,7 +258,7 @@ def compose(*stages: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_etrace_graph(
-    model: Any, *args: Any, include_hidden_perturb: bool = True
+    model: brainstate.nn.Module, *args: Any, include_hidden_perturb: bool = True
 ) -> ETraceGraph:
     """Compile a model's one-step ``update`` into an `ETraceGraph`.
 
@@ -286,5 +290,3 @@ def compile_etrace_graph(
     graph = pipeline(model, *args)
     assert isinstance(graph, ETraceGraph)
     return graph
-
-

@@ -114,7 +114,10 @@ class HiddenGroup(eqx.Module):
 
         def fn(slab: Array) -> Array:
             outs = self.transition(*consts, *self.split_hidden(slab))
-            outs = [jnp.broadcast_to(jnp.asarray(o, slab.dtype), shape) for o, shape in zip(outs, self._member_shapes(), strict=True)]
+            outs = [
+                jnp.broadcast_to(jnp.asarray(o, slab.dtype), shape)
+                for o, shape in zip(outs, self._member_shapes(), strict=True)
+            ]
             return self.concat_hidden(outs)
 
         return fn
@@ -144,7 +147,7 @@ class HiddenGroup(eqx.Module):
             basis = jnp.broadcast_to(jnp.eye(S, dtype=slab.dtype), (*self.varshape, S, S))
             return jax.vmap(lin, in_axes=-1, out_axes=-1)(basis)  # type: ignore[no-any-return]
         P = int(np.prod(self.varshape, dtype=np.int64))
-        full = jax.jacfwd(fn)(slab).reshape(P, S, P, S)
+        full: Array = jax.jacfwd(fn)(slab).reshape(P, S, P, S)
         idx = jnp.arange(P)
         return full[idx, :, idx, :].reshape(*self.varshape, S, S)
 

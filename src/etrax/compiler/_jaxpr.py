@@ -20,6 +20,8 @@ from .._compat import (
     Var,
     bind_equation,
     call_body,
+    replace_jaxpr,
+    struct_of,
 )
 from .._typing import VarId
 
@@ -43,6 +45,8 @@ class Program:
 
     __slots__ = ("_key", "closed", "input_ids", "output_ids")
 
+    _key: tuple[Any, ...] | None
+
     closed: Final[ClosedJaxpr]  # type: ignore[misc]
     input_ids: Final[tuple[VarId, ...]]  # type: ignore[misc]
     output_ids: Final[tuple[VarId | None, ...]]  # type: ignore[misc]
@@ -64,7 +68,8 @@ class Program:
     @property
     def jaxpr(self) -> Jaxpr:
         """The open jaxpr (its constants are in `closed.consts`)."""
-        return self.closed.jaxpr
+        jaxpr: Jaxpr = self.closed.jaxpr
+        return jaxpr
 
     @property
     def primitives(self) -> tuple[str, ...]:
@@ -86,7 +91,7 @@ class Program:
                 self.output_ids,
             )
             object.__setattr__(self, "_key", key)
-        return key  # type: ignore[no-any-return]
+        return key
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -120,9 +125,9 @@ class VarTable:
         for v in (*jaxpr.constvars, *jaxpr.invars):
             self._add(v)
         for i, eqn in enumerate(jaxpr.eqns):
-            for v in eqn.invars:
-                if isinstance(v, Var):
-                    self.consumers.setdefault(v, []).append(i)
+            for a in eqn.invars:
+                if isinstance(a, Var):
+                    self.consumers.setdefault(a, []).append(i)
             for v in eqn.outvars:
                 if not isinstance(v, DropVar):
                     self._add(v)
@@ -198,16 +203,13 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     """
     if not _has_calls(closed.jaxpr):
         return closed
-    avals = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in closed.jaxpr.invars
-    ]
+    avals = [struct_of(v) for v in closed.jaxpr.invars]
     jaxpr, consts = closed.jaxpr, closed.consts
 
     def flat(*args: Any) -> list[Any]:
         return _eval_inlining(jaxpr, consts, args)
 
-    return jax.make_jaxpr(flat)(*avals)  # type: ignore[no-any-return]
+    return jax.make_jaxpr(flat)(*avals)
 
 
 def slice_program(
@@ -257,7 +259,9 @@ def slice_program(
         note(v)
     invars = [*const_inputs, *inputs]
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
-    sub = jaxpr.replace(constvars=[], invars=invars, outvars=list(outputs), eqns=eqns, effects=effects)
+    sub = replace_jaxpr(
+        jaxpr, constvars=[], invars=invars, outvars=list(outputs), eqns=eqns, effects=effects
+    )
     program = Program(
         ClosedJaxpr(sub, ()),
         [table.ids[v] for v in invars],

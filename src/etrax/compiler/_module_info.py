@@ -23,6 +23,7 @@ from .._compat import (
     equation_location,
     inner_closed_jaxprs,
     is_tracer,
+    replace_outvars,
 )
 from .._errors import (
     InputStructureError,
@@ -85,9 +86,11 @@ class StateInfo(eqx.Module):
     @property
     def is_stacked(self) -> bool:
         """Whether the hidden value stacks several states on its last axis."""
-        return self.type_name != "HiddenState" and self.kind is StateKind.HIDDEN and len(
-            self.shapes[0]
-        ) == len(self.varshape) + 1
+        return (
+            self.type_name != "HiddenState"
+            and self.kind is StateKind.HIDDEN
+            and len(self.shapes[0]) == len(self.varshape) + 1
+        )
 
 
 @final
@@ -147,7 +150,7 @@ class ModuleInfo(eqx.Module):
 
     @property
     def jaxpr(self) -> Jaxpr:
-        return self.program.closed.jaxpr
+        return self.program.jaxpr
 
     @property
     def num_in(self) -> int:
@@ -227,7 +230,7 @@ class ModuleInfo(eqx.Module):
         if not new:
             return self
         jaxpr = self.jaxpr
-        extended = jaxpr.replace(outvars=[*jaxpr.outvars, *(table.var(v) for v in new)])
+        extended = replace_outvars(jaxpr, [*jaxpr.outvars, *(table.var(v) for v in new)])
         program = Program(
             ClosedJaxpr(extended, self.closed_jaxpr.consts),
             self.program.input_ids,
@@ -238,7 +241,9 @@ class ModuleInfo(eqx.Module):
     # ----- evaluation ------------------------------------------------------------------
     def current_state_values(self) -> dict[Path, PyTree]:
         """Read the current value of every compiled state (path → value)."""
-        return {s.path: ref.value for s, ref in zip(self.states, self.state_refs.states, strict=True)}
+        return {
+            s.path: ref.value for s, ref in zip(self.states, self.state_refs.states, strict=True)
+        }
 
     def flatten_inputs(
         self, args: Sequence[Any], state_vals: Mapping[Path, PyTree] | None
@@ -307,9 +312,7 @@ def _check_initialised(model: brainstate.nn.Module, states: Mapping[Path, Any]) 
     if has_short_term:
         return
     needs = [
-        path
-        for path, m in model.nodes(brainstate.nn.Module).items()
-        if _overrides_init_state(m)
+        path for path, m in model.nodes(brainstate.nn.Module).items() if _overrides_init_state(m)
     ]
     if needs:
         where = ", ".join(repr(p) if p else "the model itself" for p in needs)
@@ -468,7 +471,11 @@ def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
                 )
             )
 
-    bad_writes = [p for st, p in zip(compiled_states, paths, strict=True) if st in written and isinstance(st, brainstate.ParamState)]
+    bad_writes = [
+        p
+        for st, p in zip(compiled_states, paths, strict=True)
+        if st in written and isinstance(st, brainstate.ParamState)
+    ]
     if bad_writes:
         rec = record(
             DiagnosticKind.PARAM_STATE_WRITE,
@@ -581,4 +588,3 @@ def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
 def extract_module_info(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
     """Trace a model's one-step ``update`` and return its `ModuleInfo` (alias of `extract`)."""
     return extract(model, *args)
-

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from .._compat import DropVar, Literal, Var, bind_equation
+from .._compat import DropVar, Literal, Var, bind_equation, shape_struct, struct_of
 from .._typing import Path, Shape
 from ._analysis import analyse_step
 from ._group import HiddenGroup
@@ -168,7 +168,7 @@ def _build_program(minfo: ModuleInfo) -> tuple[Program, tuple[Path, ...]]:
                         if not isinstance(v, DropVar):
                             crossed[v] = val
             for v in eqn.outvars:
-                if isinstance(v, Var) and v in node_of:
+                if v in node_of:
                     c = crossed.get(v, orig[v])
                     total = c
                     for k in node_of[v]:
@@ -179,17 +179,16 @@ def _build_program(minfo: ModuleInfo) -> tuple[Program, tuple[Path, ...]]:
             if p_ in passthrough:
                 base = read(orig, atom)
                 results.append(base + perturbs[passthrough[p_]].astype(jnp.result_type(base)))
-            elif p_ in model_out or state_out_kinds.get(p_, StateKind.WEIGHT) is not StateKind.WEIGHT:
+            elif (
+                p_ in model_out or state_out_kinds.get(p_, StateKind.WEIGHT) is not StateKind.WEIGHT
+            ):
                 results.append(read(full, atom))
             else:
                 results.append(read(orig, atom))
         return results
 
-    avals = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in jaxpr.invars
-    ]
-    avals += [jax.ShapeDtypeStruct(s.shapes[0], s.dtypes[0]) for s in hidden]
+    avals = [struct_of(v) for v in jaxpr.invars]
+    avals += [shape_struct(s.shapes[0], s.dtypes[0]) for s in hidden]
     closed = jax.make_jaxpr(fn)(*avals)
     n_in = len(closed.jaxpr.invars)
     return Program(closed, tuple(range(n_in)), tuple(range(len(closed.jaxpr.outvars)))), paths

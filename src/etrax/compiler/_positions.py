@@ -21,7 +21,6 @@ from .._compat import (
     DropVar,
     Jaxpr,
     JaxprEqn,
-    Literal,
     Var,
     call_body,
     inner_closed_jaxprs,
@@ -49,21 +48,100 @@ def identity_align(shape: Shape) -> Align:
 
 
 ELEMENTWISE = frozenset(
-    """
-    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
-    convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2
-    expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p
-    logistic lt max min mul ne neg nextafter not or polygamma population_count pow
-    real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
-    shift_right_logical sign sin sinh sqrt square sub tan tanh xor zeta
-    bessel_i0e bessel_i1e random_gamma_grad regularized_incomplete_beta
-    """.split()
+    [
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "complex",
+        "conj",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "cos",
+        "cosh",
+        "digamma",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "igamma",
+        "igammac",
+        "imag",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "lgamma",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "or",
+        "polygamma",
+        "population_count",
+        "pow",
+        "real",
+        "reduce_precision",
+        "rem",
+        "round",
+        "rsqrt",
+        "select_n",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+        "zeta",
+        "bessel_i0e",
+        "bessel_i1e",
+        "random_gamma_grad",
+        "regularized_incomplete_beta",
+    ]
 )
 _REDUCTIONS = frozenset(
-    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
-    "argmax argmin".split()
+    [
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "reduce_xor",
+        "argmax",
+        "argmin",
+    ]
 )
-_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+_CUMULATIVE = frozenset(["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])
 
 
 def _aval_shape(atom: Any) -> Shape:
@@ -90,9 +168,7 @@ def _elementwise(in_maps: Sequence[AlignMap], what: str) -> AlignMap:
     return out
 
 
-def _remap(
-    in_map: AlignMap, fn: Callable[[Align], Align | str]
-) -> AlignMap:
+def _remap(in_map: AlignMap, fn: Callable[[Align], Align | str]) -> AlignMap:
     out: AlignMap = {}
     for s, a in in_map.items():
         if isinstance(a, Mixed):
@@ -144,7 +220,9 @@ def _dot_general(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> AlignMap:
     l_free = [a for a in range(l_nd) if a not in lc and a not in lb]
     r_free = [a for a in range(r_nd) if a not in rc and a not in rb]
 
-    def side(batch: Sequence[int], contract: Sequence[int], free: list[int], offset: int):
+    def side(
+        batch: Sequence[int], contract: Sequence[int], free: list[int], offset: int
+    ) -> Callable[[Align], Align | str]:
         def fn(a: Align) -> Align | str:
             out = []
             for ax in a:
@@ -194,7 +272,7 @@ def _gather(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> AlignMap:
 
 def _scatter(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> AlignMap:
     dn = eqn.params["dimension_numbers"]
-    operand, indices, updates = eqn.invars[:3]
+    operand, _, updates = eqn.invars[:3]
     shape = _aval_shape(operand)
     ushape = _aval_shape(updates)
     window_operand_axes = [
@@ -232,7 +310,9 @@ def _scatter(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> AlignMap:
     return out
 
 
-def _full_extent(eqn: JaxprEqn, axes_ok: Callable[[int], bool], what: str) -> Callable[[Align], Align | str]:
+def _full_extent(
+    eqn: JaxprEqn, axes_ok: Callable[[int], bool], what: str
+) -> Callable[[Align], Align | str]:
     def fn(a: Align) -> Align | str:
         for ax in a:
             if not axes_ok(ax):
@@ -271,13 +351,13 @@ def positions_rule(
         dims = set(params["dimensions"])
         return [_remap(first, lambda a: tuple(x - sum(d < x for d in dims) for x in a))]
     if name == "expand_dims":
-        dims = sorted(params["dimensions"])
+        new_axes = sorted(params["dimensions"])
 
         def expand_fn(a: Align) -> Align:
             out = []
             for x in a:
                 y = x
-                for d in dims:
+                for d in new_axes:
                     if d <= y:
                         y += 1
                 out.append(y)
@@ -298,17 +378,31 @@ def positions_rule(
         return [_remap(first, reduce_fn)] * n_out
     if name in _CUMULATIVE:
         axis = params["axis"]
-        return [_remap(first, _full_extent(eqn, lambda x: x != axis, f"{name} runs along a position axis"))]
+        return [
+            _remap(
+                first, _full_extent(eqn, lambda x: x != axis, f"{name} runs along a position axis")
+            )
+        ]
     if name == "sort":
         dim = params["dimension"]
         merged = _elementwise(in_maps, name)
-        return [_remap(merged, _full_extent(eqn, lambda x: x != dim, "sort runs along a position axis"))] * n_out
+        return [
+            _remap(merged, _full_extent(eqn, lambda x: x != dim, "sort runs along a position axis"))
+        ] * n_out
     if name == "top_k":
         nd = len(_aval_shape(eqn.invars[0]))
-        return [_remap(first, _full_extent(eqn, lambda x: x != nd - 1, "top_k runs along a position axis"))] * n_out
+        return [
+            _remap(
+                first, _full_extent(eqn, lambda x: x != nd - 1, "top_k runs along a position axis")
+            )
+        ] * n_out
     if name == "rev":
         dims = set(params["dimensions"])
-        return [_remap(first, _full_extent(eqn, lambda x: x not in dims, "rev reverses a position axis"))]
+        return [
+            _remap(
+                first, _full_extent(eqn, lambda x: x not in dims, "rev reverses a position axis")
+            )
+        ]
     if name == "slice":
         shape = _aval_shape(eqn.invars[0])
         starts, limits = params["start_indices"], params["limit_indices"]
@@ -321,7 +415,10 @@ def positions_rule(
     if name == "dynamic_slice":
         shape = _aval_shape(eqn.invars[0])
         sizes = params["slice_sizes"]
-        out = _remap(first, _full_extent(eqn, lambda x: sizes[x] == shape[x], "dynamic_slice cuts a position axis"))
+        out = _remap(
+            first,
+            _full_extent(eqn, lambda x: sizes[x] == shape[x], "dynamic_slice cuts a position axis"),
+        )
         for m in in_maps[1:]:
             for s in m:
                 out[s] = Mixed("dynamic_slice index depends on a source")
@@ -329,7 +426,11 @@ def positions_rule(
     if name == "dynamic_update_slice":
         shape = _aval_shape(eqn.invars[0])
         ushape = _aval_shape(eqn.invars[1])
-        ok = _full_extent(eqn, lambda x: ushape[x] == shape[x], "dynamic_update_slice writes part of a position axis")
+        ok = _full_extent(
+            eqn,
+            lambda x: ushape[x] == shape[x],
+            "dynamic_update_slice writes part of a position axis",
+        )
         out = _elementwise([_remap(in_maps[0], ok), _remap(in_maps[1], ok)], name)
         for m in in_maps[2:]:
             for s in m:
@@ -343,10 +444,17 @@ def positions_rule(
     if name == "concatenate":
         dim = params["dimension"]
         merged = _elementwise(in_maps, name)
-        return [_remap(merged, _full_extent(eqn, lambda x: x != dim, "concatenate joins along a position axis"))]
+        return [
+            _remap(
+                merged,
+                _full_extent(eqn, lambda x: x != dim, "concatenate joins along a position axis"),
+            )
+        ]
     if name == "split":
         axis = params["axis"]
-        return [_remap(first, _full_extent(eqn, lambda x: x != axis, "split cuts a position axis"))] * n_out
+        return [
+            _remap(first, _full_extent(eqn, lambda x: x != axis, "split cuts a position axis"))
+        ] * n_out
     if name == "stack":
         axis = params["axis"]
         merged = _elementwise(in_maps, name)
@@ -357,8 +465,17 @@ def positions_rule(
         return [_dot_general(eqn, in_maps)]
     if name == "gather":
         return [_gather(eqn, in_maps)]
-    if name in ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
-                "scatter-min", "scatter_min", "scatter-max", "scatter_max"):
+    if name in (
+        "scatter",
+        "scatter-add",
+        "scatter_add",
+        "scatter-mul",
+        "scatter_mul",
+        "scatter-min",
+        "scatter_min",
+        "scatter-max",
+        "scatter_max",
+    ):
         return [_scatter(eqn, in_maps)]
     body_of_call = call_body(eqn)
     if body_of_call is not None and len(body_of_call.jaxpr.invars) == len(in_maps):
@@ -440,7 +557,3 @@ def contains_primitive(closed: ClosedJaxpr | Jaxpr, pred: Callable[[Any], bool])
             if contains_primitive(sub, pred):
                 return True
     return False
-
-
-def literal_free(atoms: Sequence[Any]) -> list[Var]:
-    return [a for a in atoms if isinstance(a, Var) and not isinstance(a, Literal)]

@@ -11,7 +11,7 @@ Every ParamState the step reads ends up traced by a relation or in a record that
 says why not.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._compat import DropVar, JaxprEqn, Literal, Primitive, Var, equation_location
+from .._compat import DropVar, JaxprEqn, Literal, Primitive, Var, aval_of, equation_location
 from .._errors import WeightNotParamStateError
 from .._frozen import FrozenDict
 from .._typing import Path, Shape, VarId
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-def FrozenParams(params: Mapping[str, Any]) -> FrozenDict[str, Any]:  # noqa: N802
+def FrozenParams(params: Mapping[str, Any]) -> FrozenDict[str, Any]:
     """The static parameters of an equation as an immutable, hashable mapping."""
     return FrozenDict(params)
 
@@ -131,7 +131,7 @@ class RelationTail(eqx.Module):
             return df  # type: ignore[no-any-return]
         P = int(np.prod(group.varshape, dtype=np.int64))
         PY = int(np.prod(y.shape, dtype=np.int64))
-        full = jax.jacfwd(fn)(y).reshape(P, group.num_state, PY)
+        full: Array = jax.jacfwd(fn)(y).reshape(P, group.num_state, PY)
         idx = jnp.arange(P)
         return full[idx, :, idx % PY].reshape(*group.varshape, group.num_state)
 
@@ -203,7 +203,8 @@ class HiddenParamOpRelation(eqx.Module):
     ) -> list[Array]:
         """Evaluate each tail at ``y``; returns one group slab per connected group."""
         return [
-            t.tail_fn([const_vals[c] for c in t.consts], groups[t.group_index])(y) for t in self.tails
+            t.tail_fn([const_vals[c] for c in t.consts], groups[t.group_index])(y)
+            for t in self.tails
         ]
 
 
@@ -331,6 +332,13 @@ def _hidden_targets(
     return dict(sorted(reached.items()))
 
 
+def _tail_filter(an: StepAnalysis, src: int) -> Callable[[int], bool]:
+    def keep(i: int) -> bool:
+        return i not in an.boundaries and an.equation_derives(i, {src})
+
+    return keep
+
+
 def relate(grouped: GroupedModule) -> RelatedModule:
     """Find every relation between ETP operations and hidden groups (stage 3)."""
     minfo = grouped.module_info
@@ -406,7 +414,7 @@ def relate(grouped: GroupedModule) -> RelatedModule:
 
         src = an.y_sources[eqn_index]
         y_atom = eqn.outvars[0]
-        y_shape = tuple(y_atom.aval.shape)
+        y_shape = tuple(aval_of(y_atom).shape)
         reached = _hidden_targets(ctx, src, groups)
         tails: list[RelationTail] = []
         for gi, members in reached.items():
@@ -444,7 +452,7 @@ def relate(grouped: GroupedModule) -> RelatedModule:
                 table,
                 [y_atom],
                 outputs,
-                lambda i, _src=src: i not in an.boundaries and an.equation_derives(i, {_src}),
+                _tail_filter(an, src),
             )
             tails.append(
                 RelationTail(
@@ -474,9 +482,7 @@ def relate(grouped: GroupedModule) -> RelatedModule:
 
         # What else does y reach, through boundaries?
         blocking = sorted(
-            i
-            for i in an.boundaries
-            if any(an.derived_from(v, {src}) for v in jaxpr.eqns[i].invars)
+            i for i in an.boundaries if any(an.derived_from(v, {src}) for v in jaxpr.eqns[i].invars)
         )
         connected = {p for t in tails for p in groups[t.group_index].hidden_paths}
         if tails:
@@ -541,7 +547,7 @@ def relate(grouped: GroupedModule) -> RelatedModule:
         x_shape: Shape | None = None
         if x_index is not None:
             x_atom = eqn.invars[x_index]
-            x_shape = tuple(x_atom.aval.shape)
+            x_shape = tuple(aval_of(x_atom).shape)
             x_var = table.id_of(x_atom)
             if x_var is None:
                 raise WeightNotParamStateError(  # pragma: no cover - literal x is scalar
@@ -557,7 +563,7 @@ def relate(grouped: GroupedModule) -> RelatedModule:
             y_var=table.ids[y_atom],
             x_shape=x_shape,
             y_shape=y_shape,
-            dtype=np.dtype(y_atom.aval.dtype),
+            dtype=np.dtype(aval_of(y_atom).dtype),
             trainables=tuple(trainables),
             tails=tuple(tails),
             partial_path=partial,

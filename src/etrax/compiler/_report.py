@@ -82,15 +82,18 @@ class CompilationReport:
             for rel in g.hidden_param_op_relations:
                 groups = rel.hidden_groups
                 where = (
-                    f"hidden group {groups[0]}" if len(groups) == 1 else f"hidden groups {list(groups)}"
+                    f"hidden group {groups[0]}"
+                    if len(groups) == 1
+                    else f"hidden groups {list(groups)}"
                 )
                 extra = ""
                 if rel.partial_path:
                     extra = "  (partial: an indirect path is not traced)"
                 elif any(not t.is_diagonal for t in rel.tails):
                     extra = "  (approximate: the path to the hidden state mixes positions)"
+                name = rel.primitive.name
                 lines.append(
-                    f"   Weight {rel.index}: {rel.weight_path} via {rel.primitive.name} -> {where}{extra}"
+                    f"   Weight {rel.index}: {rel.weight_path} via {name} -> {where}{extra}"
                 )
             lines.append("")
         excluded = self.excluded_weights

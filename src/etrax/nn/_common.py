@@ -30,6 +30,8 @@ def resolve_activation(activation: Activation) -> Callable[[Array], Array]:
     raise TypeError(f"activation must be a string or a callable, got {type(activation).__name__}")
 
 
-def init_param(initializer: Initializer, shape: tuple[int, ...], batch_size: int | None = None) -> Array:
+def init_param(
+    initializer: Initializer, shape: tuple[int, ...], batch_size: int | None = None
+) -> Array:
     """Create an array from a brainstate initializer (or an array) with an optional batch axis."""
     return brainstate.nn.init.param(initializer, shape, batch_size)  # type: ignore[no-any-return]

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
+from .._compat import bind
 from .._typing import Params, Shape
 from ._primitive import ETPRules, register_primitive
 from ._util import chain_transform, check_transform
@@ -66,7 +67,7 @@ def _batch(
     (w,) = args
     (d,) = dims
     assert d is not None
-    return element_wise_p.bind(w, **params), d
+    return bind(element_wise_p, w, **params), d
 
 
 element_wise_p = register_primitive(
@@ -89,4 +90,4 @@ def element_wise(weight: ArrayLike, *, weight_fn: Transform = None) -> Array:
     """
     check_transform("element_wise: weight_fn", weight_fn)
     w = jnp.asarray(weight)
-    return element_wise_p.bind(w, weight_fn=weight_fn)  # type: ignore[no-any-return]
+    return bind(element_wise_p, w, weight_fn=weight_fn)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
+from .._compat import bind
 from .._typing import Params, Shape
 from ._primitive import ETPRules, register_primitive
 from ._util import chain_transform, check_transform, sum_leading
@@ -38,9 +39,9 @@ def _matmul_batch(
     if x_dim is not None and all(d is None for d in weight_dims):
         x = jnp.moveaxis(x, x_dim, 0)
         if x.ndim == 2:
-            return matmul_p.bind(x, *weights, **params), 0
+            return bind(matmul_p, x, *weights, **params), 0
         lead = x.shape[:-1]
-        y = matmul_p.bind(x.reshape(-1, x.shape[-1]), *weights, **params)
+        y = bind(matmul_p, x.reshape(-1, x.shape[-1]), *weights, **params)
         return y.reshape(*lead, y.shape[-1]), 0
     out = jax.vmap(lambda *ops: _matmul_impl(*ops, **params), in_axes=dims)(*args)  # type: ignore[arg-type]
     return out, 0
@@ -50,10 +51,7 @@ def _weight_grad(
     x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
 ) -> dict[str, Array]:
     assert x is not None
-    if x.ndim == 1:
-        g_w = jnp.outer(x, cot)
-    else:
-        g_w = jnp.einsum("bi,bo->io", x, cot)
+    g_w = jnp.outer(x, cot) if x.ndim == 1 else jnp.einsum("bi,bo->io", x, cot)
     grads = {"weight": chain_transform(params["weight_fn"], weights["weight"], g_w)}
     if params["has_bias"]:
         g_b = sum_leading(cot, 1)
@@ -163,6 +161,6 @@ def matmul(
                 f"matmul: bias must have shape ({weight.shape[1]},), got {bias.shape}."
             )
         operands.append(bias)
-    return matmul_p.bind(  # type: ignore[no-any-return]
-        *operands, has_bias=bias is not None, weight_fn=weight_fn, bias_fn=bias_fn
+    return bind(
+        matmul_p, *operands, has_bias=bias is not None, weight_fn=weight_fn, bias_fn=bias_fn
     )

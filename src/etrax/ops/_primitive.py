@@ -37,21 +37,21 @@ __all__ = [
 @runtime_checkable
 class WeightGradRule(Protocol):
     def __call__(
-        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
+        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params, /
     ) -> dict[str, Array]: ...
 
 
 @runtime_checkable
 class InstantRule(Protocol):
     def __call__(
-        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
+        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params, /
     ) -> dict[str, Array]: ...
 
 
 @runtime_checkable
 class ScaleRule(Protocol):
     def __call__(
-        self, hvec: Array, trace: Mapping[str, Array], params: Params
+        self, hvec: Array, trace: Mapping[str, Array], params: Params, /
     ) -> dict[str, Array]: ...
 
 
@@ -63,6 +63,7 @@ class SolveRule(Protocol):
         trace: Mapping[str, Array],
         weights: Mapping[str, Array],
         params: Params,
+        /,
     ) -> dict[str, Array]: ...
 
 
@@ -74,12 +75,13 @@ class TraceShapeRule(Protocol):
         y: jax.ShapeDtypeStruct,
         weights: Mapping[str, jax.ShapeDtypeStruct],
         params: Params,
+        /,
     ) -> dict[str, Shape]: ...
 
 
 @runtime_checkable
 class InputReprRule(Protocol):
-    def __call__(self, x: Array, weights: Mapping[str, Array], params: Params) -> Array: ...
+    def __call__(self, x: Array, weights: Mapping[str, Array], params: Params, /) -> Array: ...
 
 
 def _identity_input(x: Array, weights: Mapping[str, Array], params: Params) -> Array:
@@ -197,7 +199,8 @@ def register_primitive(
         )
         ```
     """
-    if not isinstance(name, str) or not name:
+    name_obj: object = name
+    if not isinstance(name_obj, str) or not name_obj:
         raise TypeError(f"register_primitive: `name` must be a non-empty string, got {name!r}.")
     if not callable(impl):
         raise TypeError(f"register_primitive: `impl` must be callable, got {type(impl).__name__}.")
@@ -213,8 +216,13 @@ def register_primitive(
         def trainable_fn(params: Params) -> Mapping[str, int]:
             return fixed
 
-    if x_index is not None and (not isinstance(x_index, int) or x_index < 0):
-        raise ValueError(f"register_primitive: `x_index` must be a non-negative int or None, got {x_index!r}.")
+    index_obj: object = x_index
+    if index_obj is not None and (
+        isinstance(index_obj, bool) or not isinstance(index_obj, int) or index_obj < 0
+    ):
+        raise ValueError(
+            f"register_primitive: `x_index` must be a non-negative int or None, got {x_index!r}."
+        )
     prim = define_primitive(name, impl, batch_rule)
     _REGISTRY[prim] = ETPOpSpec(
         primitive=prim,

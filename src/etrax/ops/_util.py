@@ -15,7 +15,8 @@ def chain_transform(fn: Callable[[Array], Array] | None, raw: Array, grad: Array
         return grad
     _, vjp = jax.vjp(fn, raw)
     (out,) = vjp(grad.astype(raw.dtype))
-    return out
+    result: Array = out
+    return result
 
 
 def sum_leading(value: Array, keep: int) -> Array:
