@@ -206,6 +206,23 @@ class TanhRNN(brainstate.nn.Module):
         return h
 
 
+class SpikingFF(brainstate.nn.Module):
+    """``Linear → LIF/ALIF`` driven by feed-forward input (diagonal recurrence)."""
+
+    def __init__(self, n_in: int, n_out: int, adaptive: bool = False) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(n_in, n_out, w_init=brainstate.nn.init.KaimingNormal(scale=8.0))
+        self.neu: brainstate.nn.Module = (
+            etrax.nn.ALIF(n_out, tau=10.0, tau_a=50.0, beta=0.5)
+            if adaptive
+            else etrax.nn.LIF(n_out, tau=10.0)
+        )
+
+    def update(self, x: ArrayLike) -> Array:
+        out: Array = self.neu(self.fc(x))
+        return out
+
+
 @dataclass(frozen=True)
 class ModelCase:
     """One catalogue entry: ``make()`` returns an initialised model and an input."""
@@ -235,6 +252,8 @@ CATALOGUE: tuple[ModelCase, ...] = (
     ModelCase("stacked_state", lambda: build(StackedStateNeuron, 3, 4), True),
     ModelCase("ff_stack", lambda: build(LeakyFeedForwardStack, 3, 4, 5), True),
     ModelCase("elementwise_decay_b2", lambda: build(ElementwiseDecay, 3, 4, batch=2), True),
+    ModelCase("lif_ff", lambda: build(SpikingFF, 3, 5), True),
+    ModelCase("alif_ff_b2", lambda: build(SpikingFF, 3, 5, True, batch=2), True),
     ModelCase("gru", lambda: build(etrax.nn.GRUCell, 3, 4), False),
     ModelCase("gru_b2", lambda: build(etrax.nn.GRUCell, 3, 4, batch=2), False),
     ModelCase("lstm", lambda: build(etrax.nn.LSTMCell, 3, 4), False),

@@ -200,3 +200,98 @@ def pure_call(
         return sf.jaxpr_call(vals, arg)[1]
 
     return call
+
+
+class OracleJacobians:
+    """``D`` per group, and ``x`` / ``df`` per relation and tail, from `jax.jacrev` of
+    brainstate's own step (weights' outputs held fixed unless `diagonal`)."""
+
+    def __init__(
+        self,
+        graph: etrax.ETraceGraph,
+        model: brainstate.nn.Module,
+        x: Any,
+        values: Mapping[Path, Any],
+        diagonal: bool,
+    ) -> None:
+        step = BrainstateStep(model, (x,))
+        hidden_paths = graph.module_info.hidden_paths
+
+        def new_hidden(*hs: Array) -> dict[Path, Array]:
+            vals = dict(values)
+            vals.update(zip(hidden_paths, hs, strict=True))
+            _, new = step(vals, freeze_weights=not diagonal)
+            return {p: new[p] for p in hidden_paths}
+
+        h0 = [values[p] for p in hidden_paths]
+        jac = jax.jacrev(new_hidden, argnums=tuple(range(len(h0))))(*h0)
+        by_path = {a: dict(zip(hidden_paths, jac[a], strict=True)) for a in hidden_paths}
+        self.D: list[np.ndarray[Any, Any]] = []
+        self.off_diagonal: list[float] = []
+        for grp in graph.hidden_groups:
+            blocks = block_diagonal(by_path, grp)
+            rows = np.arange(blocks.shape[0])
+            self.D.append(
+                blocks[rows, :, rows, :].reshape(*grp.varshape, grp.num_state, grp.num_state)
+            )
+            off = blocks.copy()
+            off[rows, :, rows, :] = 0.0
+            self.off_diagonal.append(float(np.max(np.abs(off))) if off.size else 0.0)
+        etp_mine = [
+            i
+            for i, e in enumerate(graph.module_info.jaxpr.eqns)
+            if etrax.etp_spec(e.primitive) is not None
+        ]
+        operands = _etp_operands(step, values)
+        self.x: list[Any] = []
+        self.df: list[list[np.ndarray[Any, Any]]] = []
+        self.tail_off: list[list[float]] = []
+        for rel in graph.hidden_param_op_relations:
+            k = step.etp_equations[etp_mine.index(rel.eqn_index)]
+            x_in, y = operands[k]
+            spec = rel.spec
+            self.x.append(None if spec.x_index is None else x_in)
+
+            def inject(delta: Array, _k: int = k) -> dict[Path, Array]:
+                _, new = step(values, freeze_weights=True, inject=(_k, delta))
+                return new
+
+            jac_y = jax.jacrev(inject)(jnp.zeros_like(y))
+            dfs: list[np.ndarray[Any, Any]] = []
+            offs: list[float] = []
+            for tail in rel.tails:
+                grp = graph.hidden_groups[tail.group_index]
+                d, t_off = tail_diagonal({p: jac_y[p] for p in grp.hidden_paths}, grp, rel.y_shape)
+                dfs.append(d)
+                offs.append(t_off)
+            self.df.append(dfs)
+            self.tail_off.append(offs)
+
+
+def _etp_operands(step: BrainstateStep, values: Mapping[Path, Any]) -> dict[int, tuple[Any, Any]]:
+    """For each ETP equation of brainstate's jaxpr: (its x operand, its output)."""
+    flat = list(jax.tree.leaves(step.args))
+    for p in step.paths:
+        flat.extend(jax.tree.leaves(values[p]))
+    jaxpr = step.closed.jaxpr
+    env: dict[Any, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for v, c in zip(jaxpr.constvars, step.closed.consts, strict=True):
+        env[v] = c
+    for v, c in zip(jaxpr.invars, flat, strict=True):
+        env[v] = c
+    found: dict[int, tuple[Any, Any]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        params = eqn.primitive.get_bind_params(eqn.params)
+        ins = [read(a) for a in eqn.invars]
+        outs = eqn.primitive.bind(*ins, **params)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        spec = etrax.etp_spec(eqn.primitive)
+        if spec is not None:
+            found[i] = (None if spec.x_index is None else ins[spec.x_index], outs[0])
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = o
+    return found

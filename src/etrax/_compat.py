@@ -31,11 +31,13 @@ __all__ = [
     "exclude_from_locations",
     "inner_closed_jaxprs",
     "is_tracer",
+    "match_varying",
     "replace_jaxpr",
     "replace_outvars",
     "shape_struct",
     "shaped_array",
     "struct_of",
+    "vary_like",
 ]
 
 Primitive = jex.Primitive
@@ -123,7 +125,46 @@ def inner_closed_jaxprs(eqn: Any) -> list["jex.ClosedJaxpr"]:
 def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Re-bind one jaxpr equation on new input values; always returns a list."""
     with equation_context(eqn):
-        return _bind(eqn, invals)
+        return _bind(eqn, match_varying(invals))
+
+
+def _varying_axes(value: Any) -> frozenset[Any] | None:
+    try:
+        aval = jax.typeof(value)
+    except TypeError:
+        return None
+    mat = getattr(aval, "mat", None)
+    axes = getattr(mat, "varying", None)
+    if axes is None:
+        axes = getattr(aval, "vma", None)
+    return frozenset(axes) if axes is not None else None
+
+
+def match_varying(values: Sequence[Any]) -> list[Any]:
+    """Inside `jax.shard_map`, cast inputs that are invariant over a manual mesh axis
+    to varying where another input varies over it (what JAX's `lax` functions do
+    when tracing user code; re-binding a jaxpr made outside needs it explicitly)."""
+    axes = [_varying_axes(v) for v in values]
+    known = {a for a in axes if a is not None}
+    if len(known) <= 1:
+        return list(values)
+    union = frozenset().union(*known)
+    return [
+        jax.lax.pcast(v, tuple(sorted(union - a, key=str)), to="varying")
+        if a is not None and union - a
+        else v
+        for v, a in zip(values, axes, strict=True)
+    ]
+
+
+def vary_like(value: Any, like: Any) -> Any:
+    """`value` cast to vary over the same manual mesh axes as `like` (a no-op outside
+    `jax.shard_map`), e.g. for tangents built with `jnp.eye` for a varying primal."""
+    want = _varying_axes(like)
+    have = _varying_axes(value)
+    if not want or have is None or want <= have:
+        return value
+    return jax.lax.pcast(value, tuple(sorted(want - have, key=str)), to="varying")
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:

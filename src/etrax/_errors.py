@@ -18,6 +18,7 @@ __all__ = [
     "ParamStateWriteError",
     "RecursiveCompileError",
     "StateNotInitializedError",
+    "StepInputError",
     "WeightNotParamStateError",
 ]
 
@@ -62,3 +63,7 @@ class WeightNotParamStateError(CompilationError):
 
 class RecursiveCompileError(CompilationError):
     """`compile_etrace_graph` was called while a JAX trace of a model was running."""
+
+
+class StepInputError(EtraxError, ValueError):
+    """The inputs or state given to a step do not match the compiled graph."""

@@ -70,6 +70,34 @@ class ETraceGraph(eqx.Module):
     hidden_perturb: HiddenPerturbation | None
     diagnostics: tuple[CompilationRecord, ...] = eqx.field(static=True)
 
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_etrax_hash")
+        if cached is None:
+            cached = hash(
+                (
+                    self.module_info,
+                    self.hidden_groups,
+                    self.hidden_param_op_relations,
+                    self.hidden_perturb,
+                    self.diagnostics,
+                )
+            )
+            object.__setattr__(self, "_etrax_hash", cached)
+        return int(cached)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, ETraceGraph):
+            return NotImplemented
+        return bool(
+            self.module_info == other.module_info
+            and self.hidden_groups == other.hidden_groups
+            and self.hidden_param_op_relations == other.hidden_param_op_relations
+            and self.hidden_perturb == other.hidden_perturb
+            and self.diagnostics == other.diagnostics
+        )
+
     def __check_init__(self) -> None:
         for i, g in enumerate(self.hidden_groups):
             if g.index != i:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._compat import vary_like
 from .._typing import Path, Shape, VarId
 from ._analysis import StepAnalysis, analyse_step
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
@@ -144,7 +145,9 @@ class HiddenGroup(eqx.Module):
             return jnp.zeros((*self.varshape, S, S), slab.dtype)
         if self.is_diagonal_recurrence:
             _, lin = jax.linearize(fn, slab)
-            basis = jnp.broadcast_to(jnp.eye(S, dtype=slab.dtype), (*self.varshape, S, S))
+            basis = vary_like(
+                jnp.broadcast_to(jnp.eye(S, dtype=slab.dtype), (*self.varshape, S, S)), slab
+            )
             return jax.vmap(lin, in_axes=-1, out_axes=-1)(basis)  # type: ignore[no-any-return]
         P = int(np.prod(self.varshape, dtype=np.int64))
         full: Array = jax.jacfwd(fn)(slab).reshape(P, S, P, S)

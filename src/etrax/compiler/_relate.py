@@ -20,7 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._compat import DropVar, JaxprEqn, Literal, Primitive, Var, aval_of, equation_location
+from .._compat import (
+    DropVar,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    Var,
+    aval_of,
+    equation_location,
+    vary_like,
+)
 from .._errors import WeightNotParamStateError
 from .._frozen import FrozenDict
 from .._typing import Path, Shape, VarId
@@ -127,7 +136,7 @@ class RelationTail(eqx.Module):
         """
         fn = self.tail_fn(consts, group)
         if self.is_diagonal:
-            _, df = jax.jvp(fn, (y,), (jnp.ones_like(y),))
+            _, df = jax.jvp(fn, (y,), (vary_like(jnp.ones_like(y), y),))
             return df  # type: ignore[no-any-return]
         P = int(np.prod(group.varshape, dtype=np.int64))
         PY = int(np.prod(y.shape, dtype=np.int64))

@@ -1,0 +1,223 @@
+"""`ModelState`: the values a step reads, as a frozen pytree of arrays keyed by path."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._errors import StepInputError
+from .._pathdict import PathDict
+from .._typing import Path, PyTree
+from ..compiler import ETraceGraph, StateInfo, StateKind
+
+__all__ = ["ModelState", "check_inputs", "check_state", "state_of", "write_back"]
+
+
+class ModelState(eqx.Module):
+    """The values of a compiled model's states.
+
+    **Arguments:**
+
+    - `params`: ``path → value`` of every ParamState (a value may be a pytree, e.g.
+      ``{'weight': W, 'bias': b}``).
+    - `hidden`: ``path → array`` of every traced hidden state.
+    - `other`: ``path → value`` of every other state the step reads or writes.
+
+    Each field is a `PathDict` in the graph's state order, so states, gradients
+    and optimiser updates share one tree structure.
+    """
+
+    params: PathDict[PyTree]
+    hidden: PathDict[PyTree]
+    other: PathDict[PyTree]
+
+    def value(self, path: Path) -> PyTree:
+        """The value of the state at `path`, whichever field holds it."""
+        for d in (self.params, self.hidden, self.other):
+            if path in d:
+                return d[path]
+        raise KeyError(f"no state with path {path!r}")
+
+    def replace_params(self, params: Mapping[Path, PyTree]) -> "ModelState":
+        """A copy with new parameter values (same paths)."""
+        return ModelState(PathDict((p, params[p]) for p in self.params), self.hidden, self.other)
+
+    def replace_hidden(self, hidden: Mapping[Path, PyTree]) -> "ModelState":
+        """A copy with new hidden values (same paths)."""
+        return ModelState(self.params, PathDict((p, hidden[p]) for p in self.hidden), self.other)
+
+
+def _canonical(info: StateInfo, value: PyTree) -> PyTree:
+    leaves = jax.tree.leaves(value)
+    fixed = [jnp.asarray(leaf, dtype=dt) for leaf, dt in zip(leaves, info.dtypes, strict=True)]
+    return jax.tree.unflatten(info.treedef, fixed)
+
+
+def state_of(graph: ETraceGraph) -> ModelState:
+    """The current values of a compiled model's states, as a `ModelState`.
+
+    Values are read (never written) from the brainstate states the graph was
+    compiled from and given their compiled dtypes as strongly typed arrays, so a
+    jitted step sees the same types on every call.
+    """
+    mi = graph.module_info
+    groups: dict[StateKind, PathDict[PyTree]] = {k: PathDict() for k in StateKind}
+    for info, ref in zip(mi.states, mi.state_refs.states, strict=True):
+        groups[info.kind][info.path] = _canonical(info, ref.value)
+    return ModelState(groups[StateKind.WEIGHT], groups[StateKind.HIDDEN], groups[StateKind.OTHER])
+
+
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None:
+        return f"shape {tuple(shape)} and dtype {dtype}"
+    return f"a {type(value).__name__}"
+
+
+def _check_leaves(
+    where: str, value: PyTree, treedef: Any, shapes: Sequence[Any], dtypes: Sequence[Any]
+) -> None:
+    leaves, got_def = jax.tree.flatten(value)
+    if got_def != treedef:
+        raise StepInputError(
+            f"{where} has structure {got_def}, expected {treedef}. Pass values with the "
+            "structure the graph was compiled with."
+        )
+    for k, (leaf, shape, dtype) in enumerate(zip(leaves, shapes, dtypes, strict=True)):
+        leaf_shape = tuple(np.shape(leaf))
+        leaf_dtype = jnp.result_type(leaf)
+        if leaf_shape != tuple(shape) or np.dtype(leaf_dtype) != np.dtype(dtype):
+            at = f"{where}" if len(leaves) == 1 else f"{where} (leaf {k})"
+            raise StepInputError(
+                f"{at} has {_describe(leaf)}, expected shape {tuple(shape)} and dtype "
+                f"{np.dtype(dtype)}. The graph is specialised to the shapes and dtypes it was "
+                "compiled with; recompile for other shapes (e.g. another batch size)."
+            )
+
+
+def check_inputs(graph: ETraceGraph, args: tuple[Any, ...]) -> None:
+    """Raise `StepInputError` if `args` do not match the graph's example inputs."""
+    mi = graph.module_info
+    treedef = jax.tree.structure(args)
+    if treedef != mi.in_tree:
+        raise StepInputError(
+            f"the step input x has structure {treedef}, expected {mi.in_tree}: pass the array "
+            "itself for a one-argument update(x), or a tuple for several arguments."
+        )
+    _check_leaves(
+        "the step input x",
+        args,
+        mi.in_tree,
+        [s for s, _ in mi.in_avals],
+        [d for _, d in mi.in_avals],
+    )
+
+
+class _Signature:
+    """Expected tree structures and leaf shapes/dtypes of a graph's inputs (cached)."""
+
+    def __init__(self, graph: ETraceGraph) -> None:
+        mi = graph.module_info
+        example = ModelState(
+            *(
+                PathDict(
+                    (s.path, jax.tree.unflatten(s.treedef, list(range(len(s.shapes)))))
+                    for s in mi.states_of(kind)
+                )
+                for kind in (StateKind.WEIGHT, StateKind.HIDDEN, StateKind.OTHER)
+            )
+        )
+        self.state_treedef: Any = jax.tree.structure(example)
+        by_path = {s.path: s for s in mi.states}
+        avals: list[tuple[tuple[int, ...], np.dtype[Any]]] = []
+        for d in (example.params, example.hidden, example.other):
+            for p in d:
+                info = by_path[p]
+                avals.extend(zip(info.shapes, info.dtypes, strict=True))
+        self.state_avals = tuple(avals)
+        self.in_tree = mi.in_tree
+        self.in_avals = mi.in_avals
+
+
+def signature(graph: ETraceGraph) -> _Signature:
+    """The graph's `_Signature`, computed once and kept on the graph object."""
+    sig = graph.__dict__.get("_etrax_signature")
+    if sig is None:
+        sig = _Signature(graph)
+        object.__setattr__(graph, "_etrax_signature", sig)
+    assert isinstance(sig, _Signature)
+    return sig
+
+
+def _leaves_match(leaves: Sequence[Any], avals: Sequence[tuple[Any, Any]]) -> bool:
+    if len(leaves) != len(avals):
+        return False
+    for leaf, (shape, dtype) in zip(leaves, avals, strict=True):
+        if getattr(leaf, "shape", None) != shape or getattr(leaf, "dtype", None) != dtype:
+            return False
+    return True
+
+
+def fast_check(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> None:
+    """`check_state` and `check_inputs`, with a fast path for the common correct case."""
+    sig = signature(graph)
+    leaves, treedef = jax.tree.flatten(state)
+    if treedef != sig.state_treedef or not _leaves_match(leaves, sig.state_avals):
+        check_state(graph, state)
+    a_leaves, a_def = jax.tree.flatten(args)
+    if a_def != sig.in_tree or not _leaves_match(a_leaves, sig.in_avals):
+        check_inputs(graph, args)
+
+
+def check_state(graph: ETraceGraph, state: ModelState) -> None:
+    """Raise `StepInputError` if `state` does not belong to `graph`."""
+    if not isinstance(state, ModelState):
+        raise StepInputError(
+            f"state must be an etrax.ModelState (from etrax.state_of(graph)), got "
+            f"{type(state).__name__}"
+        )
+    mi = graph.module_info
+    for kind, field, d in (
+        (StateKind.WEIGHT, "params", state.params),
+        (StateKind.HIDDEN, "hidden", state.hidden),
+        (StateKind.OTHER, "other", state.other),
+    ):
+        expected = [s.path for s in mi.states_of(kind)]
+        missing = [p for p in expected if p not in d]
+        extra = [p for p in d if p not in expected]
+        if missing or extra:
+            raise StepInputError(
+                f"state.{field} does not match this graph: missing {missing}, unexpected "
+                f"{extra}. Use etrax.state_of(graph) of the same graph (a state from another "
+                "graph does not fit)."
+            )
+        for info in mi.states_of(kind):
+            _check_leaves(
+                f"state.{field}[{info.path!r}]",
+                d[info.path],
+                info.treedef,
+                info.shapes,
+                info.dtypes,
+            )
+
+
+def flat_state(graph: ETraceGraph, state: ModelState) -> list[Any]:
+    """The state leaves in the order the step's jaxpr reads them."""
+    out: list[Any] = []
+    for info in graph.module_info.states:
+        out.extend(jax.tree.leaves(state.value(info.path)))
+    return out
+
+
+def write_back(graph: ETraceGraph, state: ModelState) -> None:
+    """Write hidden and other values of `state` into the model's brainstate states."""
+    mi = graph.module_info
+    for info, ref in zip(mi.states, mi.state_refs.states, strict=True):
+        if info.kind is StateKind.HIDDEN:
+            ref.value = state.hidden[info.path]
+        elif info.kind is StateKind.OTHER and info.written:
+            ref.value = state.other[info.path]

@@ -1,0 +1,283 @@
+"""The pure executor: ``step(graph, state, x) -> (y, state, jac)`` and its VJP variant.
+
+Everything here is a pure function of arrays; the graph is static. Inputs are
+validated against the graph before tracing (`check_inputs`, `check_state`), and
+the jitted body is compiled once per graph and input shapes.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._compat import vary_like
+from .._errors import StepInputError
+from .._pathdict import PathDict
+from .._typing import Path, PyTree, VarId
+from ..compiler import ETraceGraph, StateKind
+from ._state import ModelState, check_inputs, check_state, fast_check, flat_state
+
+__all__ = [
+    "Pullback",
+    "StepJacobians",
+    "as_args",
+    "forward",
+    "multi_step",
+    "step",
+    "step_vjp",
+]
+
+
+class StepJacobians(eqx.Module):
+    """The Jacobians of one step, all with stopped gradients.
+
+    **Arguments:**
+
+    - `x`: per relation, the op's data input as read in the step (`None` for ops
+      without one).
+    - `df`: per relation, per connected group (in `relation.tails` order), the
+      diagonal ``∂h^t/∂y`` shaped ``(*varshape, S)``.
+    - `D`: per hidden group, ``∂h^t/∂h^{t-1}`` per position, ``(*varshape, S, S)``.
+    """
+
+    x: tuple[Array | None, ...]
+    df: tuple[tuple[Array, ...], ...]
+    D: tuple[Array, ...]
+
+
+class Pullback(eqx.Module):
+    """Maps cotangents of a step's output (and optionally of its new hidden values)
+    to the loss-to-hidden gradient ``∂L/∂h^t`` of every hidden group.
+
+    A pytree: it can be returned from `jax.jit` and carried through `lax.scan`.
+    """
+
+    graph: ETraceGraph = eqx.field(static=True)
+    vjp: Any
+    y: PyTree
+    hidden: tuple[Array, ...]
+
+    def __call__(
+        self, y_cot: PyTree, hidden_cot: Mapping[Path, Array] | None = None
+    ) -> tuple[Array, ...]:
+        """``∂L/∂h^t`` per group, each ``(*varshape, S)``.
+
+        **Arguments:**
+
+        - `y_cot`: cotangent of the step output ``y`` (same structure).
+        - `hidden_cot`: optional ``path → cotangent`` of the new hidden values (e.g.
+          a gradient arriving from later steps).
+        """
+        hp = self.graph.hidden_perturb
+        assert hp is not None
+        if hidden_cot is None:
+            h_cots = [jnp.zeros_like(h) for h in self.hidden]
+        else:
+            h_cots = [
+                vary_like(jnp.asarray(hidden_cot[p], h.dtype), h)
+                for p, h in zip(hp.perturb_hidden_paths, self.hidden, strict=True)
+            ]
+        y_cot = jax.tree.map(lambda c, y: vary_like(jnp.asarray(c, y.dtype), y), y_cot, self.y)
+        (grads,) = self.vjp((y_cot, h_cots))
+        return tuple(hp.perturb_data_to_hidden_group_data(grads, self.graph.hidden_groups))
+
+
+def as_args(graph: ETraceGraph, x: Any) -> tuple[Any, ...]:
+    """The positional arguments of ``update`` from a step input ``x``."""
+    n = len(graph.module_info.in_tree.children())
+    if n == 1:
+        return (x,)
+    if not isinstance(x, tuple) or len(x) != n:
+        raise StepInputError(
+            f"update() of this graph takes {n} positional arguments: pass x as a tuple of {n} "
+            f"values, got {type(x).__name__}"
+        )
+    return x
+
+
+def _env(
+    graph: ETraceGraph,
+    flat: Sequence[Any],
+    hidden: Mapping[Path, Any],
+    hoisted: Mapping[VarId, Any],
+) -> dict[VarId, Any]:
+    mi = graph.module_info
+    env: dict[VarId, Any] = dict(enumerate(mi.closed_jaxpr.consts))
+    env.update(zip(mi.program.input_ids, flat, strict=True))
+    env.update(hoisted)
+    for s in mi.hidden_states:
+        if s.outvars[0] is not None:
+            env[s.outvars[0]] = hidden[s.path]
+    return env
+
+
+def _jacobians(graph: ETraceGraph, env: Mapping[VarId, Any]) -> StepJacobians:
+    groups = graph.hidden_groups
+    D = tuple(
+        g.diagonal_jacobian(
+            [env[v] for v in g.hidden_invars], [env[c] for c in g.transition_consts]
+        )
+        for g in groups
+    )
+    xs: list[Array | None] = []
+    dfs: list[tuple[Array, ...]] = []
+    for rel in graph.hidden_param_op_relations:
+        xs.append(None if rel.x_var is None else jnp.asarray(env[rel.x_var]))
+        y = env[rel.y_var]
+        dfs.append(
+            tuple(
+                t.diagonal_jacobian(y, [env[c] for c in t.consts], groups[t.group_index])
+                for t in rel.tails
+            )
+        )
+    jac = StepJacobians(x=tuple(xs), df=tuple(dfs), D=D)
+    return jax.lax.stop_gradient(jac)
+
+
+def _new_state(
+    graph: ETraceGraph, state: ModelState, hidden: Mapping[Path, Any], other: Mapping[Path, Any]
+) -> ModelState:
+    mi = graph.module_info
+    return ModelState(
+        params=state.params,
+        hidden=PathDict((s.path, hidden[s.path]) for s in mi.states_of(StateKind.HIDDEN)),
+        other=PathDict((s.path, other[s.path]) for s in mi.states_of(StateKind.OTHER)),
+    )
+
+
+def _forward_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> Any:
+    mi = graph.module_info
+    flat = [*jax.tree.leaves(args), *flat_state(graph, state)]
+    out, hidden, other, _ = mi.split_outputs(mi.program(*flat))
+    return out, _new_state(graph, state, hidden, other)
+
+
+def _step_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...], with_vjp: bool) -> Any:
+    mi = graph.module_info
+    flat = [*jax.tree.leaves(args), *flat_state(graph, state)]
+    if not with_vjp:
+        out, hidden, other, hoisted = mi.split_outputs(mi.program(*flat))
+        env = _env(graph, flat, hidden, hoisted)
+        return out, _new_state(graph, state, hidden, other), _jacobians(graph, env)
+    hp = graph.hidden_perturb
+    assert hp is not None
+
+    def perturbed(perturbs: list[Array]) -> Any:
+        out, hidden, other, hoisted = mi.split_outputs(hp.eval_jaxpr(flat, perturbs))
+        main = (out, [hidden[p] for p in hp.perturb_hidden_paths])
+        return main, (hidden, other, hoisted)
+
+    # zeros shaped and sharded like the old hidden values (varying under shard_map)
+    zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
+    (out, hidden_out), vjp_fn, (hidden, other, hoisted) = jax.vjp(perturbed, zeros, has_aux=True)
+    env = _env(graph, flat, hidden, hoisted)
+    new = _new_state(graph, state, hidden, other)
+    pullback = Pullback(graph, vjp_fn, out, tuple(hidden_out))
+    return out, new, _jacobians(graph, env), pullback
+
+
+_forward_jit = jax.jit(_forward_impl, static_argnums=0)
+_step_jit = jax.jit(_step_impl, static_argnums=(0, 3))
+
+
+def _validate(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[Any, ...]:
+    if not isinstance(graph, ETraceGraph):
+        raise TypeError(f"graph must be an etrax.ETraceGraph, got {type(graph).__name__}")
+    state_obj: object = state
+    if not isinstance(state_obj, ModelState):
+        check_state(graph, state)
+    args = as_args(graph, x)
+    fast_check(graph, state, args)
+    return args
+
+
+def forward(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[PyTree, ModelState]:
+    """Run one step without Jacobians: ``(y, new state)`` (the forward-only floor)."""
+    args = _validate(graph, state, x)
+    out, new = _forward_jit(graph, state, args)
+    return out, new
+
+
+def step(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[PyTree, ModelState, StepJacobians]:
+    """Run one step and return its output, new state and Jacobians.
+
+    **Arguments:**
+
+    - `graph`: an `ETraceGraph` (static: compiled once per graph and shapes).
+    - `state`: a `ModelState` of this graph (`etrax.state_of(graph)` to start).
+    - `x`: the step input: the array itself for a one-argument ``update(x)``, a
+      tuple for several arguments.
+
+    **Returns:** ``(y, new_state, jac)`` with `jac` a `StepJacobians`.
+
+    **Raises:** `StepInputError` when `x` or `state` do not match the graph (checked
+    before tracing).
+
+    !!! Example
+
+        ```python
+        state = etrax.state_of(graph)
+        y, state, jac = etrax.step(graph, state, x)
+        jac.D[0].shape   # (*varshape, S, S)
+        ```
+    """
+    args = _validate(graph, state, x)
+    out, new, jac = _step_jit(graph, state, args, False)
+    return out, new, jac
+
+
+def step_vjp(
+    graph: ETraceGraph, state: ModelState, x: Any
+) -> tuple[PyTree, ModelState, StepJacobians, Pullback]:
+    """`step` plus a `Pullback` that maps output cotangents to ``∂L/∂h^t`` per group."""
+    if graph.hidden_perturb is None:
+        raise ValueError(
+            "step_vjp needs the hidden perturbation: compile with include_hidden_perturb=True"
+        )
+    args = _validate(graph, state, x)
+    out, new, jac, pullback = _step_jit(graph, state, args, True)
+    return out, new, jac, pullback
+
+
+def _check_sequence(graph: ETraceGraph, xs: Any) -> tuple[int, tuple[Any, ...]]:
+    leaves = jax.tree.leaves(xs)
+    if not leaves:
+        raise StepInputError("xs has no arrays; pass inputs with a leading time axis")
+    lengths = {int(jnp.shape(leaf)[0]) if jnp.ndim(leaf) > 0 else -1 for leaf in leaves}
+    if len(lengths) != 1 or -1 in lengths:
+        shown = sorted(str(n) if n >= 0 else "none" for n in lengths)
+        raise StepInputError(f"every leaf of xs needs the same leading time axis, got {shown}")
+    (T,) = lengths
+    first = jax.tree.map(lambda a: a[0], xs)
+    args = as_args(graph, first)
+    check_inputs(graph, args)
+    return T, as_args(graph, xs)
+
+
+def _multi_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> Any:
+    def body(carry: ModelState, a: tuple[Any, ...]) -> Any:
+        out, new, jac = _step_impl(graph, carry, a, False)
+        return new, (out, jac)
+
+    final, (outs, jacs) = jax.lax.scan(body, state, args)
+    return outs, final, jacs
+
+
+_multi_jit = jax.jit(_multi_impl, static_argnums=0)
+
+
+def multi_step(
+    graph: ETraceGraph, state: ModelState, xs: Any
+) -> tuple[PyTree, ModelState, StepJacobians]:
+    """Run `step` over a leading time axis of `xs` with one `lax.scan`.
+
+    **Returns:** stacked outputs ``(T, ...)``, the final state, and `StepJacobians`
+    whose arrays carry a leading ``T``.
+    """
+    check_state(graph, state)
+    _, args = _check_sequence(graph, xs)
+    outs, final, jacs = _multi_jit(graph, state, args)
+    return outs, final, jacs

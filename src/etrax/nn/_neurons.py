@@ -1,0 +1,156 @@
+"""Spiking neurons: leaky integrate-and-fire with soft reset, with and without adaptation."""
+
+import math
+
+import brainstate
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike
+
+from ._common import init_param
+from ._surrogate import ReluGrad, Surrogate, spike
+
+__all__ = ["ALIF", "LIF"]
+
+
+def _check_positive(**values: float) -> None:
+    for name, v in values.items():
+        if not v > 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+
+
+class LIF(brainstate.nn.Module):
+    r"""Leaky integrate-and-fire neurons with soft reset.
+
+    ``V ← α V + (1 − α) R I − (V_th − V_reset) s^{t−1}``, ``s^t = H((V − V_th)/(V_th − V_reset))``
+    with ``α = e^{−dt/τ}`` and ``H`` a Heaviside step with a surrogate derivative.
+    ``update(I)`` returns the spikes ``s^t``; the membrane ``V`` is the hidden state.
+
+    **Arguments:**
+
+    - `size`: number of neurons.
+    - `tau`, `dt`: membrane time constant and step (same unit); `R`: resistance.
+    - `v_th`, `v_reset`: threshold and reset potential.
+    - `surrogate`: the spike's pseudo-derivative (default `ReluGrad()`).
+    - `detach_reset`: stop gradients through the reset term.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        tau: float = 20.0,
+        dt: float = 1.0,
+        R: float = 1.0,
+        v_th: float = 1.0,
+        v_reset: float = 0.0,
+        surrogate: Surrogate | None = None,
+        detach_reset: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        _check_positive(size=size, tau=tau, dt=dt)
+        if not v_th > v_reset:
+            raise ValueError(f"v_th ({v_th}) must be above v_reset ({v_reset})")
+        self.size = size
+        self.in_size = (size,)
+        self.out_size = (size,)
+        self.alpha = math.exp(-dt / tau)
+        self.R = R
+        self.v_th = v_th
+        self.v_reset = v_reset
+        self.surrogate = ReluGrad() if surrogate is None else surrogate
+        self.detach_reset = detach_reset
+
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        self.V = brainstate.HiddenState(self._rest(batch_size))
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        self.V.value = self._rest(batch_size)
+
+    def _rest(self, batch_size: int | None) -> Array:
+        zero = init_param(brainstate.nn.init.ZeroInit(), (self.size,), batch_size)
+        return zero + self.v_reset
+
+    def _spike(self, v: Array) -> Array:
+        return spike((v - self.v_th) / (self.v_th - self.v_reset), self.surrogate)
+
+    def update(self, current: ArrayLike) -> Array:
+        v = self.V.value
+        last = self._spike(v)
+        if self.detach_reset:
+            last = jax.lax.stop_gradient(last)
+        v = (
+            self.alpha * v
+            + (1.0 - self.alpha) * self.R * jnp.asarray(current)
+            - (self.v_th - self.v_reset) * last
+        )
+        self.V.value = v
+        return self._spike(v)
+
+
+class ALIF(brainstate.nn.Module):
+    r"""Adaptive leaky integrate-and-fire neurons (membrane ``V``, adaptation ``a``).
+
+    ``V ← α V + (1 − α) R I − (V_th − V_reset) s^{t−1}``, ``a ← ρ a + s^{t−1}``,
+    ``s^t = H((V − V_th − β a)/(V_th − V_reset))`` with ``ρ = e^{−dt/τ_a}``. ``V`` and
+    ``a`` form one hidden group with two states per neuron.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        tau: float = 20.0,
+        tau_a: float = 200.0,
+        beta: float = 0.1,
+        dt: float = 1.0,
+        R: float = 1.0,
+        v_th: float = 1.0,
+        v_reset: float = 0.0,
+        surrogate: Surrogate | None = None,
+        detach_reset: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        _check_positive(size=size, tau=tau, tau_a=tau_a, dt=dt)
+        if not v_th > v_reset:
+            raise ValueError(f"v_th ({v_th}) must be above v_reset ({v_reset})")
+        self.size = size
+        self.in_size = (size,)
+        self.out_size = (size,)
+        self.alpha = math.exp(-dt / tau)
+        self.rho = math.exp(-dt / tau_a)
+        self.beta = beta
+        self.R = R
+        self.v_th = v_th
+        self.v_reset = v_reset
+        self.surrogate = ReluGrad() if surrogate is None else surrogate
+        self.detach_reset = detach_reset
+
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        zero = init_param(brainstate.nn.init.ZeroInit(), (self.size,), batch_size)
+        self.V = brainstate.HiddenState(zero + self.v_reset)
+        self.a = brainstate.HiddenState(zero)
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        zero = init_param(brainstate.nn.init.ZeroInit(), (self.size,), batch_size)
+        self.V.value = zero + self.v_reset
+        self.a.value = zero
+
+    def _spike(self, v: Array, a: Array) -> Array:
+        return spike((v - self.v_th - self.beta * a) / (self.v_th - self.v_reset), self.surrogate)
+
+    def update(self, current: ArrayLike) -> Array:
+        v = self.V.value
+        a = self.a.value
+        last = self._spike(v, a)
+        if self.detach_reset:
+            last = jax.lax.stop_gradient(last)
+        v = (
+            self.alpha * v
+            + (1.0 - self.alpha) * self.R * jnp.asarray(current)
+            - (self.v_th - self.v_reset) * last
+        )
+        a = self.rho * a + last
+        self.V.value = v
+        self.a.value = a
+        return self._spike(v, a)
