@@ -5,6 +5,7 @@ Jacobians are reduced into the carry so that XLA cannot drop them. Ratios are
 measured in one run on one machine.
 """
 
+import functools
 from typing import Any
 
 import jax
@@ -45,13 +46,14 @@ def run(sizes: list[tuple[int, int]] | None = None) -> str:
         for hidden, batch in sizes:
             graph, x = build(name, hidden, batch)
             state = etrax.state_of(graph)
-            xs = jnp.broadcast_to(x, (T, *x.shape)) * jnp.linspace(0.5, 1.5, T)[
-                (slice(None),) + (None,) * x.ndim
-            ]
-            fwd = jax.jit(lambda s, v, g=graph: _scan_forward(g, s, v))
-            stp = jax.jit(lambda s, v, g=graph: _scan_step(g, s, v))
-            t_fwd = time_fn(lambda: fwd(state, xs)) / T
-            t_step = time_fn(lambda: stp(state, xs)) / T
+            xs = (
+                jnp.broadcast_to(x, (T, *x.shape))
+                * jnp.linspace(0.5, 1.5, T)[(slice(None),) + (None,) * x.ndim]
+            )
+            fwd = jax.jit(functools.partial(_scan_forward, graph))
+            stp = jax.jit(functools.partial(_scan_step, graph))
+            t_fwd = time_fn(functools.partial(fwd, state, xs)) / T
+            t_step = time_fn(functools.partial(stp, state, xs)) / T
             rows.append(
                 [
                     name,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import bench_executor  # noqa: E402
+from benchmarks import bench_executor
 
 SUITES = {"executor": bench_executor.run}
 
