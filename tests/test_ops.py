@@ -79,10 +79,23 @@ def test_matmul_rules_against_vjp(
         _struct(x), _struct(y), {k: _struct(v) for k, v in weights.items()}, params
     )
     assert {k: v.shape for k, v in trace.items()} == shapes
-    solved = rules.solve(sig, trace, weights, params)
+    solved = rules.chain(rules.solve(sig, trace, weights, params), weights, params)
     direct = rules.weight_grad(x, sig * df, weights, params)
     for k in solved:
         np.testing.assert_allclose(solved[k], direct[k], rtol=0, atol=TOL)
+    # the factorisation describes instant as an outer product
+    assert rules.factor is not None
+    fac = rules.factor(x, params)
+    assert fac.batch_ndim == len(x_shape) - 1
+    for k, u in fac.inputs.items():
+        expected_k = df if u is None else u[..., :, None] * df[..., None, :]
+        np.testing.assert_allclose(trace[k], expected_k, rtol=0, atol=TOL)
+    # the default contract (through solve and instant) agrees with the fast one
+    default = etrax.ETPRules(
+        instant=rules.instant, scale=rules.scale, param_trace_shapes=rules.param_trace_shapes
+    )
+    for k, v in default.contract(x, sig, weights, params).items():
+        np.testing.assert_allclose(v, rules.contract(x, sig, weights, params)[k], rtol=0, atol=TOL)
     # scale multiplies along the output link
     h = _rand(6, y.shape)
     scaled = rules.scale(h, trace, params)
@@ -105,7 +118,7 @@ def test_element_wise_rules_against_vjp(weight_fn: Callable[[Array], Array] | No
     np.testing.assert_allclose(got["weight"], expected, rtol=0, atol=TOL)
     trace = rules.instant(None, cot, {"weight": w}, params)
     sig = _rand(2, y.shape)
-    solved = rules.solve(sig, trace, {"weight": w}, params)
+    solved = rules.chain(rules.solve(sig, trace, {"weight": w}, params), {"weight": w}, params)
     direct = rules.weight_grad(None, sig * cot, {"weight": w}, params)
     np.testing.assert_allclose(solved["weight"], direct["weight"], rtol=0, atol=TOL)
 
@@ -168,11 +181,6 @@ def _scaled_impl(x: Array, w: Array, *, scale: float) -> Array:
     return scale * (x @ w)
 
 
-def _scaled_grad(x: Array | None, cot: Array, weights: Any, params: Any) -> dict[str, Array]:
-    assert x is not None
-    return {"weight": params["scale"] * jnp.outer(x, cot)}
-
-
 def _scaled_instant(x: Array | None, cot: Array, weights: Any, params: Any) -> dict[str, Array]:
     assert x is not None
     return {"weight": params["scale"] * x[:, None] * cot[None, :]}
@@ -180,10 +188,6 @@ def _scaled_instant(x: Array | None, cot: Array, weights: Any, params: Any) -> d
 
 def _scaled_scale(h: Array, trace: Any, params: Any) -> dict[str, Array]:
     return {"weight": trace["weight"] * h[None, :]}
-
-
-def _scaled_solve(sig: Array, trace: Any, weights: Any, params: Any) -> dict[str, Array]:
-    return {"weight": trace["weight"] * sig[None, :]}
 
 
 def _scaled_shapes(x: Any, y: Any, weights: Any, params: Any) -> dict[str, tuple[int, ...]]:
@@ -194,11 +198,7 @@ SCALED = etrax.register_primitive(
     "test_scaled_matmul",
     _scaled_impl,
     rules=etrax.ETPRules(
-        weight_grad=_scaled_grad,
-        instant=_scaled_instant,
-        scale=_scaled_scale,
-        solve=_scaled_solve,
-        param_trace_shapes=_scaled_shapes,
+        instant=_scaled_instant, scale=_scaled_scale, param_trace_shapes=_scaled_shapes
     ),
 )
 

@@ -32,6 +32,15 @@ from ._errors import (
     WeightNotParamStateError,
 )
 from ._pathdict import PathDict
+from .algorithms import (
+    DRTRL,
+    ESDRTRL,
+    EProp,
+    OnlineAlgorithm,
+    PPProp,
+    bptt_grad,
+    online_grad,
+)
 from .compiler import (
     CompilationRecord,
     CompilationReport,
@@ -103,11 +112,14 @@ _exclude_from_locations(
 )
 
 __all__ = [
+    "DRTRL",
+    "ESDRTRL",
     "CompilationError",
     "CompilationRecord",
     "CompilationReport",
     "DiagnosticKind",
     "DiagnosticLevel",
+    "EProp",
     "ETPOpSpec",
     "ETPRules",
     "ETraceGraph",
@@ -122,6 +134,8 @@ __all__ = [
     "ModuleInfo",
     "MultiStepData",
     "NotSupportedError",
+    "OnlineAlgorithm",
+    "PPProp",
     "ParamStateWriteError",
     "PathDict",
     "Pullback",
@@ -135,6 +149,7 @@ __all__ = [
     "__version__",
     "add_hidden_perturbation_from_minfo",
     "add_hidden_perturbation_in_module",
+    "bptt_grad",
     "compile_etrace_graph",
     "compose",
     "element_wise",
@@ -150,6 +165,7 @@ __all__ = [
     "is_etp_primitive",
     "matmul",
     "multi_step",
+    "online_grad",
     "nn",
     "ops",
     "perturb",

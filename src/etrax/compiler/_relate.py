@@ -159,6 +159,9 @@ class HiddenParamOpRelation(eqx.Module):
     - `tails`: one `RelationTail` per connected hidden group (group order).
     - `partial_path`: ``y`` also reaches hidden state through another weight
       operation; that indirect contribution is not traced.
+    - `untraced_routes`: within the step, ``y`` also influences the outputs other than
+      through its tails (directly, or across a boundary); online learners then add
+      the exact instantaneous gradient of those routes.
     """
 
     index: int = eqx.field(static=True)
@@ -174,6 +177,7 @@ class HiddenParamOpRelation(eqx.Module):
     trainables: tuple[TrainableOperand, ...] = eqx.field(static=True)
     tails: tuple[RelationTail, ...] = eqx.field(static=True)
     partial_path: bool = eqx.field(static=True)
+    untraced_routes: bool = eqx.field(static=True, default=False)
 
     @property
     def spec(self) -> ETPOpSpec:
@@ -272,6 +276,28 @@ class _Context:
                     seen.add(a)
                     stack.append(a)
         return seen, eqns
+
+    def untraced_routes(self, y: Var, src: int) -> bool:
+        """Whether ``y`` reaches a model output or a boundary other than through a
+        hidden state's new value."""
+        jaxpr = self.table.jaxpr
+        outputs = {v for v in jaxpr.outvars[: self.minfo.num_var_out] if isinstance(v, Var)}
+        seen = {y}
+        stack = [y]
+        while stack:
+            v = stack.pop()
+            if v in self.hidden_outvars:
+                continue  # routes through a new hidden value are traced
+            if v in outputs:
+                return True
+            for i in self.table.consumers.get(v, ()):
+                if i in self.an.boundaries:
+                    return True
+                for out in jaxpr.eqns[i].outvars:
+                    if not isinstance(out, DropVar) and out not in seen:
+                        seen.add(out)
+                        stack.append(out)
+        return False
 
     def reached_hidden(self, eqn_index: int) -> set[Path]:
         """Hidden states whose new value depends on the equation's outputs (any route)."""
@@ -576,6 +602,9 @@ def relate(grouped: GroupedModule) -> RelatedModule:
             trainables=tuple(trainables),
             tails=tuple(tails),
             partial_path=partial,
+            untraced_routes=partial
+            or any(not t.is_diagonal for t in tails)
+            or ctx.untraced_routes(y_atom, src),
         )
         relations.append(relation)
         records.append(

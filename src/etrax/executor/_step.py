@@ -71,6 +71,14 @@ class Pullback(eqx.Module):
         - `hidden_cot`: optional ``path → cotangent`` of the new hidden values (e.g.
           a gradient arriving from later steps).
         """
+        return self.with_old(y_cot, hidden_cot)[0]
+
+    def with_old(
+        self, y_cot: PyTree, hidden_cot: Mapping[Path, Array] | None = None
+    ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+        """``(∂L/∂h^t, ∂L/∂h^{t-1}|direct)`` per group: the second part is the gradient
+        with respect to the *old* hidden values along routes to the outputs that avoid
+        every new hidden value (zero for most models)."""
         hp = self.graph.hidden_perturb
         assert hp is not None
         if hidden_cot is None:
@@ -81,8 +89,12 @@ class Pullback(eqx.Module):
                 for p, h in zip(hp.perturb_hidden_paths, self.hidden, strict=True)
             ]
         y_cot = jax.tree.map(lambda c, y: vary_like(jnp.asarray(c, y.dtype), y), y_cot, self.y)
-        (grads,) = self.vjp((y_cot, h_cots))
-        return tuple(hp.perturb_data_to_hidden_group_data(grads, self.graph.hidden_groups))
+        grads, olds = self.vjp((y_cot, h_cots))
+        groups = self.graph.hidden_groups
+        return (
+            tuple(hp.perturb_data_to_hidden_group_data(grads, groups)),
+            tuple(hp.perturb_data_to_hidden_group_data(olds, groups)),
+        )
 
 
 def as_args(graph: ETraceGraph, x: Any) -> tuple[Any, ...]:
@@ -165,14 +177,16 @@ def _step_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...], wit
     hp = graph.hidden_perturb
     assert hp is not None
 
-    def perturbed(perturbs: list[Array]) -> Any:
-        out, hidden, other, hoisted = mi.split_outputs(hp.eval_jaxpr(flat, perturbs))
+    def perturbed(perturbs: list[Array], olds: list[Array]) -> Any:
+        out, hidden, other, hoisted = mi.split_outputs(hp.eval_jaxpr(flat, perturbs, olds))
         main = (out, [hidden[p] for p in hp.perturb_hidden_paths])
         return main, (hidden, other, hoisted)
 
     # zeros shaped and sharded like the old hidden values (varying under shard_map)
     zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
-    (out, hidden_out), vjp_fn, (hidden, other, hoisted) = jax.vjp(perturbed, zeros, has_aux=True)
+    (out, hidden_out), vjp_fn, (hidden, other, hoisted) = jax.vjp(
+        perturbed, zeros, zeros, has_aux=True
+    )
     env = _env(graph, flat, hidden, hoisted)
     new = _new_state(graph, state, hidden, other)
     pullback = Pullback(graph, vjp_fn, out, tuple(hidden_out))

@@ -5,6 +5,7 @@ from ._matmul import matmul, matmul_p
 from ._primitive import (
     ETPOpSpec,
     ETPRules,
+    Factorization,
     etp_spec,
     is_etp_primitive,
     register_primitive,
@@ -15,6 +16,7 @@ from ._primitive import (
 __all__ = [
     "ETPOpSpec",
     "ETPRules",
+    "Factorization",
     "element_wise",
     "element_wise_p",
     "etp_spec",

@@ -8,8 +8,8 @@ from jaxtyping import Array, ArrayLike
 
 from .._compat import bind
 from .._typing import Params, Shape
-from ._primitive import ETPRules, register_primitive
-from ._util import chain_transform, check_transform
+from ._primitive import ETPRules, Factorization, register_primitive
+from ._util import chain_transform, check_transform, sum_leading
 
 __all__ = ["element_wise", "element_wise_p"]
 
@@ -18,12 +18,6 @@ Transform = Callable[[Array], Array] | None
 
 def _impl(w: Array, *, weight_fn: Transform) -> Array:
     return w if weight_fn is None else weight_fn(w)
-
-
-def _weight_grad(
-    x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
-) -> dict[str, Array]:
-    return {"weight": chain_transform(params["weight_fn"], weights["weight"], cot)}
 
 
 def _instant(
@@ -36,11 +30,20 @@ def _scale(hvec: Array, trace: Mapping[str, Array], params: Params) -> dict[str,
     return {"weight": trace["weight"] * hvec}
 
 
-def _solve(
-    signal: Array, trace: Mapping[str, Array], weights: Mapping[str, Array], params: Params
+def _contract(
+    x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
 ) -> dict[str, Array]:
-    g = trace["weight"] * signal
-    return {"weight": chain_transform(params["weight_fn"], weights["weight"], g)}
+    return {"weight": sum_leading(cot, jnp.ndim(weights["weight"]))}
+
+
+def _chain(
+    grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params
+) -> dict[str, Array]:
+    return {"weight": chain_transform(params["weight_fn"], weights["weight"], grads["weight"])}
+
+
+def _factor(x: Array | None, params: Params) -> Factorization:
+    return Factorization(batch_ndim=0, inputs={"weight": None})
 
 
 def _trace_shapes(
@@ -53,11 +56,12 @@ def _trace_shapes(
 
 
 ELEMENT_WISE_RULES = ETPRules(
-    weight_grad=_weight_grad,
     instant=_instant,
     scale=_scale,
-    solve=_solve,
     param_trace_shapes=_trace_shapes,
+    contract_rule=_contract,
+    chain_rule=_chain,
+    factor=_factor,
 )
 
 

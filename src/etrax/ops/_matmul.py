@@ -8,7 +8,7 @@ from jaxtyping import Array, ArrayLike
 
 from .._compat import bind
 from .._typing import Params, Shape
-from ._primitive import ETPRules, register_primitive
+from ._primitive import ETPRules, Factorization, register_primitive
 from ._util import chain_transform, check_transform, sum_leading
 
 __all__ = ["matmul", "matmul_p"]
@@ -47,18 +47,6 @@ def _matmul_batch(
     return out, 0
 
 
-def _weight_grad(
-    x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
-) -> dict[str, Array]:
-    assert x is not None
-    g_w = jnp.outer(x, cot) if x.ndim == 1 else jnp.einsum("bi,bo->io", x, cot)
-    grads = {"weight": chain_transform(params["weight_fn"], weights["weight"], g_w)}
-    if params["has_bias"]:
-        g_b = sum_leading(cot, 1)
-        grads["bias"] = chain_transform(params["bias_fn"], weights["bias"], g_b)
-    return grads
-
-
 def _instant(
     x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
 ) -> dict[str, Array]:
@@ -79,12 +67,38 @@ def _scale(hvec: Array, trace: Mapping[str, Array], params: Params) -> dict[str,
 def _solve(
     signal: Array, trace: Mapping[str, Array], weights: Mapping[str, Array], params: Params
 ) -> dict[str, Array]:
-    g_w = sum_leading(trace["weight"] * signal[..., None, :], 2)
-    grads = {"weight": chain_transform(params["weight_fn"], weights["weight"], g_w)}
+    grads = {"weight": sum_leading(trace["weight"] * signal[..., None, :], 2)}
     if "bias" in trace:
-        g_b = sum_leading(trace["bias"] * signal, 1)
-        grads["bias"] = chain_transform(params["bias_fn"], weights["bias"], g_b)
+        grads["bias"] = sum_leading(trace["bias"] * signal, 1)
     return grads
+
+
+def _contract(
+    x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
+) -> dict[str, Array]:
+    assert x is not None
+    g_w = jnp.outer(x, cot) if x.ndim == 1 else jnp.einsum("bi,bo->io", x, cot)
+    grads = {"weight": g_w}
+    if params["has_bias"]:
+        grads["bias"] = sum_leading(cot, 1)
+    return grads
+
+
+def _chain(
+    grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params
+) -> dict[str, Array]:
+    out = {"weight": chain_transform(params["weight_fn"], weights["weight"], grads["weight"])}
+    if "bias" in grads:
+        out["bias"] = chain_transform(params["bias_fn"], weights["bias"], grads["bias"])
+    return out
+
+
+def _factor(x: Array | None, params: Params) -> Factorization:
+    assert x is not None
+    inputs: dict[str, Array | None] = {"weight": x}
+    if params["has_bias"]:
+        inputs["bias"] = None
+    return Factorization(batch_ndim=x.ndim - 1, inputs=inputs)
 
 
 def _trace_shapes(
@@ -102,11 +116,13 @@ def _trace_shapes(
 
 
 MATMUL_RULES = ETPRules(
-    weight_grad=_weight_grad,
     instant=_instant,
     scale=_scale,
-    solve=_solve,
     param_trace_shapes=_trace_shapes,
+    solve_rule=_solve,
+    contract_rule=_contract,
+    chain_rule=_chain,
+    factor=_factor,
 )
 
 matmul_p = register_primitive(

@@ -18,27 +18,23 @@ from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._compat import Primitive, define_primitive
 from .._typing import Params, Shape
+from ._util import sum_leading
 
 __all__ = [
     "ETPOpSpec",
     "ETPRules",
+    "Factorization",
     "etp_spec",
     "is_etp_primitive",
     "register_primitive",
     "register_rules",
     "registered_primitives",
 ]
-
-
-@runtime_checkable
-class WeightGradRule(Protocol):
-    def __call__(
-        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params, /
-    ) -> dict[str, Array]: ...
 
 
 @runtime_checkable
@@ -68,6 +64,20 @@ class SolveRule(Protocol):
 
 
 @runtime_checkable
+class ContractRule(Protocol):
+    def __call__(
+        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params, /
+    ) -> dict[str, Array]: ...
+
+
+@runtime_checkable
+class ChainRule(Protocol):
+    def __call__(
+        self, grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params, /
+    ) -> dict[str, Array]: ...
+
+
+@runtime_checkable
 class TraceShapeRule(Protocol):
     def __call__(
         self,
@@ -84,6 +94,25 @@ class InputReprRule(Protocol):
     def __call__(self, x: Array, weights: Mapping[str, Array], params: Params, /) -> Array: ...
 
 
+class Factorization(eqx.Module):
+    """How an op's instantaneous trace factorises as an outer product.
+
+    For each trainable key, ``instant(x, cot)[key] = u[..., :, None] * cot[..., None, :]``
+    when ``inputs[key]`` is an array ``u`` of shape ``(*batch, I)``, or
+    ``instant(x, cot)[key] = cot`` when it is `None`; the op's output positions are
+    the axes of ``y`` after its `batch_ndim` leading batch axes. Online algorithms
+    use this to run fused (and chunked) trace kernels.
+    """
+
+    batch_ndim: int = eqx.field(static=True)
+    inputs: dict[str, Array | None]
+
+
+@runtime_checkable
+class FactorRule(Protocol):
+    def __call__(self, x: Array | None, params: Params, /) -> Factorization: ...
+
+
 def _identity_input(x: Array, weights: Mapping[str, Array], params: Params) -> Array:
     return x
 
@@ -92,34 +121,76 @@ class ETPRules(eqx.Module):
     """What online algorithms need to know about one ETP primitive.
 
     Traces live in the space of the op's *effective* trainable operands (after any
-    element-wise ``weight_fn`` the primitive applies); `solve` and `weight_grad`
-    return gradients with respect to the raw operands.
+    element-wise ``weight_fn`` the primitive applies); `chain` maps gradients from
+    that space back to the raw operands.
 
     **Arguments:**
 
-    - `weight_grad`: ``(x, cot, weights, params) -> grads``: the VJP of ``y`` with
-      respect to the raw trainable operands at cotangent ``cot`` (shaped like
-      ``y``), summed over the op's batch axes. Must equal `jax.vjp` of the op.
-    - `instant`: ``(x, cot, weights, params) -> trace``: the instantaneous
-      eligibility ``∂h/∂θ_eff`` given ``cot = ∂h/∂y`` for one hidden state slot,
-      shaped like `param_trace_shapes` (batch axes kept).
-    - `scale`: ``(hvec, trace, params) -> trace``: multiply a weight-shaped trace by
-      an output-shaped vector along the link from each weight to its output
-      (dense: column ``o`` of ``ε[i, o]`` times ``hvec[o]``).
+    - `instant`: ``(x, cot, weights, params) -> trace``: the instantaneous eligibility
+      ``∂h/∂θ_eff`` given ``cot = ∂h/∂y`` for one hidden-state slot, shaped like
+      `param_trace_shapes` (the op's batch axes kept).
+    - `scale`: ``(hvec, trace, params) -> trace``: multiply a weight-shaped trace by an
+      output-shaped vector along the link from each weight to its output (dense:
+      column ``o`` of ``ε[i, o]`` times ``hvec[o]``).
+    - `param_trace_shapes`: ``(x, y, weights, params) -> {key: shape}`` of one state
+      slot of the per-parameter trace.
     - `solve`: ``(signal, trace, weights, params) -> grads``: contract an
-      output-shaped learning signal with a trace into raw-operand gradients,
-      summing the op's batch axes.
-    - `param_trace_shapes`: ``(x, y, weights, params) -> {key: shape}``: the shape of
-      one state slot of the per-parameter trace.
+      output-shaped signal with a trace into effective-operand gradients, summing
+      the op's batch axes. Default: ``scale`` then a sum over the leading axes.
+    - `contract`: ``(x, cot, weights, params) -> grads``: the effective-operand
+      gradient for output cotangent ``cot``. Default: ``solve(cot, instant(x, 1))``.
+    - `chain`: ``(grads, weights, params) -> grads``: effective to raw operands (the
+      VJP of any ``weight_fn``). Default: identity.
+    - `factor`: optional ``(x, params) -> Factorization`` enabling fused kernels.
     - `input_repr`: what an input trace low-pass filters (default: ``x`` itself).
+
+    `weight_grad` (``chain ∘ contract``) must equal `jax.vjp` of the op with respect
+    to its raw trainable operands.
     """
 
-    weight_grad: WeightGradRule
     instant: InstantRule
     scale: ScaleRule
-    solve: SolveRule
     param_trace_shapes: TraceShapeRule
+    solve_rule: SolveRule | None = None
+    contract_rule: ContractRule | None = None
+    chain_rule: ChainRule | None = None
+    factor: FactorRule | None = None
     input_repr: InputReprRule = _identity_input
+
+    def solve(
+        self,
+        signal: Array,
+        trace: Mapping[str, Array],
+        weights: Mapping[str, Array],
+        params: Params,
+    ) -> dict[str, Array]:
+        """Effective-operand gradients from an output-shaped signal and a trace."""
+        if self.solve_rule is not None:
+            return self.solve_rule(signal, trace, weights, params)
+        scaled = self.scale(signal, trace, params)
+        return {k: sum_leading(v, jnp.ndim(weights[k])) for k, v in scaled.items()}
+
+    def contract(
+        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
+    ) -> dict[str, Array]:
+        """Effective-operand gradients for an output cotangent."""
+        if self.contract_rule is not None:
+            return self.contract_rule(x, cot, weights, params)
+        return self.solve(cot, self.instant(x, jnp.ones_like(cot), weights, params), weights, params)
+
+    def chain(
+        self, grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params
+    ) -> dict[str, Array]:
+        """Map effective-operand gradients to raw-operand gradients."""
+        if self.chain_rule is not None:
+            return self.chain_rule(grads, weights, params)
+        return dict(grads)
+
+    def weight_grad(
+        self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
+    ) -> dict[str, Array]:
+        """Raw-operand gradients for an output cotangent (equals `jax.vjp` of the op)."""
+        return self.chain(self.contract(x, cot, weights, params), weights, params)
 
 
 class ETPOpSpec(eqx.Module):

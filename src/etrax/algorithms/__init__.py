@@ -1,0 +1,23 @@
+"""Online learning: pure algorithms (D-RTRL, pp-prop, e-prop) and sequence drivers."""
+
+from ._base import EffGrads, OnlineAlgorithm
+from ._drivers import bptt_grad, online_grad
+from ._drtrl import DRTRL, DRTRLTraces, EProp, EPropTraces
+from ._pp import ESDRTRL, PPProp, PPTraces
+from ._weights import operand_values, operands_to_params
+
+__all__ = [
+    "DRTRL",
+    "DRTRLTraces",
+    "ESDRTRL",
+    "EProp",
+    "EPropTraces",
+    "EffGrads",
+    "OnlineAlgorithm",
+    "PPProp",
+    "PPTraces",
+    "bptt_grad",
+    "online_grad",
+    "operand_values",
+    "operands_to_params",
+]

@@ -1,0 +1,374 @@
+"""Sequence drivers: `online_grad` (one `lax.scan`, memory independent of the
+sequence length) and `bptt_grad` (exact backpropagation through time)."""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._errors import CompilationError, StepInputError
+from .._pathdict import PathDict
+from .._typing import Path, PyTree
+from ..compiler import ETraceGraph
+from ..executor import ModelState, StepJacobians
+from ..executor._state import check_inputs, check_state, flat_state
+from ..executor._step import _env, _forward_impl, _jacobians, _new_state, _step_impl, as_args
+from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, zeros_eff
+from ._kernels import instant_contribution
+from ._plan import plan_of
+from ._weights import add_param_grads, operand_values, operands_to_params, zeros_like_params
+
+__all__ = ["bptt_grad", "online_grad"]
+
+LossFn = Callable[[PyTree, PyTree], Array]
+
+
+# --- one step with the learning signal and the instantaneous gradient --------------------
+
+
+def _step_grads(
+    graph: ETraceGraph,
+    state: ModelState,
+    x: Any,
+    target: Any,
+    loss_fn: LossFn,
+    pi_paths: tuple[Path, ...],
+) -> tuple[
+    Array, ModelState, StepJacobians, tuple[Array, ...], tuple[Array, ...], dict[Path, PyTree]
+]:
+    mi = graph.module_info
+    hp = graph.hidden_perturb
+    assert hp is not None
+    arg_leaves = jax.tree.leaves(as_args(graph, x))
+
+    def f(perturbs: list[Array], olds: list[Array], pi: dict[Path, PyTree]) -> Any:
+        params = PathDict((p, pi.get(p, v)) for p, v in state.params.items())
+        flat = [*arg_leaves, *flat_state(graph, ModelState(params, state.hidden, state.other))]
+        out, hidden, other, hoisted = mi.split_outputs(hp.eval_jaxpr(flat, perturbs, olds))
+        return out, (hidden, other, hoisted, flat)
+
+    zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
+    pi = {p: state.params[p] for p in pi_paths}
+    out, vjp_fn, (hidden, other, hoisted, flat) = jax.vjp(f, zeros, zeros, pi, has_aux=True)
+    loss, cot = jax.value_and_grad(loss_fn)(out, target)
+    g_pert, g_old, g_pi = vjp_fn(cot)
+    groups = graph.hidden_groups
+    signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
+    olds = tuple(hp.perturb_data_to_hidden_group_data(g_old, groups))
+    jac = _jacobians(graph, _env(graph, flat, hidden, hoisted))
+    return loss, _new_state(graph, state, hidden, other), jac, signals, olds, g_pi
+
+
+def _overlap(
+    graph: ETraceGraph, jac: StepJacobians, signals: tuple[Array, ...], weights: Weights
+) -> EffGrads:
+    """Within-step traced contributions that the instantaneous gradient also contains."""
+    plan = plan_of(graph)
+    out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+    for slot in plan.slots:
+        if slot.relation not in plan.overlap:
+            continue
+        g = instant_contribution(
+            slot,
+            jac.x[slot.relation],
+            jac.df[slot.relation][slot.tail],
+            signals[slot.group],
+            weights[slot.relation],
+        )
+        acc = out[slot.relation]
+        for k, v in g.items():
+            acc[k] = acc[k] + v if k in acc else v
+    return tuple(out)
+
+
+def _finish(
+    graph: ETraceGraph,
+    params: Mapping[Path, PyTree],
+    weights: Weights,
+    acc_eff: EffGrads,
+    acc_pi: Mapping[Path, PyTree],
+) -> PathDict[PyTree]:
+    traced = operands_to_params(graph, acc_eff, params, weights)
+    return add_param_grads(traced, acc_pi)
+
+
+def _zero_pi(state: ModelState, pi_paths: tuple[Path, ...]) -> dict[Path, PyTree]:
+    return {p: jax.tree.map(jnp.zeros_like, state.params[p]) for p in pi_paths}
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+# --- online, per step or chunked ------------------------------------------------------------
+
+
+def _online_impl(
+    graph: ETraceGraph,
+    loss_fn: LossFn,
+    window: int | None,
+    algo: OnlineAlgorithm,
+    state: ModelState,
+    traces: PyTree,
+    xs: Any,
+    targets: Any,
+) -> tuple[PathDict[PyTree], dict[str, Any]]:
+    if window is not None:
+        return _window_impl(graph, loss_fn, window, algo, state, traces, xs, targets)
+    plan = plan_of(graph)
+    pi_paths = plan.instant_params
+    weights = operand_values(graph, state.params)
+    T = jax.tree.leaves(xs)[0].shape[0]
+    dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
+    K = algo.chunk_size
+
+    direct = bool(graph.hidden_perturb is not None and graph.hidden_perturb.direct_paths)
+
+    def signal_step(carry: Any, inp: Any) -> Any:
+        st, acc_pi, acc_sub = carry
+        x, tgt = inp
+        loss, st, jac, sig, old, g_pi = _step_grads(graph, st, x, tgt, loss_fn, pi_paths)
+        acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
+        return (st, _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old)
+
+    zeros = zeros_eff(graph, dtype)
+    if K == 1:
+
+        def body(carry: Any, inp: Any) -> Any:
+            st, tr, acc_eff, acc_pi, acc_sub = carry
+            (st, acc_pi, acc_sub), (loss, jac, sig, old) = signal_step((st, acc_pi, acc_sub), inp)
+            if direct:  # routes from the old hidden values: the trace before the update
+                acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, old, weights))
+            tr = algo.update(graph, tr, jac, weights)
+            acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, sig, weights))
+            return (st, tr, acc_eff, acc_pi, acc_sub), loss
+
+        init = (state, traces, zeros, _zero_pi(state, pi_paths), zeros)
+        (state, traces, acc_eff, acc_pi, acc_sub), losses = jax.lax.scan(body, init, (xs, targets))
+    else:
+
+        def chunk_body(carry: Any, inp: Any) -> Any:
+            st, tr, acc_eff, acc_pi, acc_sub = carry
+            (st, acc_pi, acc_sub), (loss, jacs, sigs, olds) = jax.lax.scan(
+                signal_step, (st, acc_pi, acc_sub), inp
+            )
+            tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
+            return (st, tr, add_eff(acc_eff, g), acc_pi, acc_sub), loss
+
+        n_full, rem = divmod(T, K)
+        carry = (state, traces, zeros, _zero_pi(state, pi_paths), zeros)
+        parts = []
+        if n_full:
+            head = jax.tree.map(lambda a: a[: n_full * K].reshape(n_full, K, *a.shape[1:]), (xs, targets))
+            carry, losses_full = jax.lax.scan(chunk_body, carry, head)
+            parts.append(losses_full.reshape(n_full * K))
+        if rem:
+            tail = jax.tree.map(lambda a: a[n_full * K :], (xs, targets))
+            carry, losses_rem = chunk_body(carry, tail)
+            parts.append(losses_rem)
+        state, traces, acc_eff, acc_pi, acc_sub = carry
+        losses = jnp.concatenate(parts)
+    grads = _finish(graph, state.params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
+    return grads, {"losses": losses, "state": state, "traces": traces}
+
+
+def _window_impl(
+    graph: ETraceGraph,
+    loss_fn: LossFn,
+    window: int,
+    algo: OnlineAlgorithm,
+    state: ModelState,
+    traces: PyTree,
+    xs: Any,
+    targets: Any,
+) -> tuple[PathDict[PyTree], dict[str, Any]]:
+    weights = operand_values(graph, state.params)
+    T = jax.tree.leaves(xs)[0].shape[0]
+    dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
+    hidden_paths = [p for g in graph.hidden_groups for p in g.hidden_paths]
+
+    def run_window(carry: Any, inp: Any) -> Any:
+        st, tr, acc_eff, acc_params = carry
+        xw, tw = inp
+
+        def window_loss(params: PathDict[PyTree], hidden: PathDict[PyTree]) -> Any:
+            def body(s: ModelState, a: Any) -> Any:
+                x, t = a
+                out, s2, jac = _step_impl(graph, s, as_args(graph, x), False)
+                return s2, (loss_fn(out, t), jac)
+
+            s_end, (losses, jacs) = jax.lax.scan(body, ModelState(params, hidden, st.other), (xw, tw))
+            return jnp.sum(losses), (losses, jacs, s_end)
+
+        _, vjp_fn, (losses, jacs, s_end) = jax.vjp(
+            window_loss, st.params, st.hidden, has_aux=True
+        )
+        g_params, g_hidden = vjp_fn(jnp.ones((), dtype))
+        signals = [g.concat_hidden([g_hidden[p] for p in g.hidden_paths]) for g in graph.hidden_groups]
+        acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, signals, weights))
+
+        def advance(t_: Any, jac: StepJacobians) -> Any:
+            return algo.update(graph, t_, jac, weights), None
+
+        tr, _ = jax.lax.scan(advance, tr, jacs)
+        return (s_end, tr, acc_eff, _add(acc_params, g_params)), losses
+
+    del hidden_paths
+    n_full, rem = divmod(T, window)
+    carry = (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params))
+    parts = []
+    if n_full:
+        head = jax.tree.map(lambda a: a[: n_full * window].reshape(n_full, window, *a.shape[1:]), (xs, targets))
+        carry, losses_full = jax.lax.scan(run_window, carry, head)
+        parts.append(losses_full.reshape(n_full * window))
+    if rem:
+        tail = jax.tree.map(lambda a: a[n_full * window :], (xs, targets))
+        carry, losses_rem = run_window(carry, tail)
+        parts.append(losses_rem)
+    state, traces, acc_eff, acc_params = carry
+    traced = operands_to_params(graph, acc_eff, state.params, weights)
+    grads = add_param_grads(traced, acc_params)
+    return grads, {"losses": jnp.concatenate(parts), "state": state, "traces": traces}
+
+
+_online_jit = jax.jit(_online_impl, static_argnums=(0, 1, 2))
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def _check_sequences(graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn) -> int:
+    x_leaves = jax.tree.leaves(xs)
+    t_leaves = jax.tree.leaves(targets)
+    if not x_leaves:
+        raise StepInputError("xs holds no arrays: pass inputs with a leading time axis")
+    lengths = {int(jnp.shape(a)[0]) if jnp.ndim(a) else -1 for a in x_leaves + t_leaves}
+    if len(lengths) != 1 or -1 in lengths:
+        shown = sorted(
+            f"{name}: {jnp.shape(a)}"
+            for name, group in (("xs", x_leaves), ("targets", t_leaves))
+            for a in group
+        )
+        raise StepInputError(
+            "xs and targets must share one leading time axis (one slice per step); got "
+            + ", ".join(shown)
+        )
+    (T,) = lengths
+    first = jax.tree.map(lambda a: a[0], xs)
+    check_inputs(graph, as_args(graph, first))
+    return T
+
+
+def _check_loss(graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn) -> None:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(y_t, target_t), got {type(loss_fn).__name__}")
+    first = jax.tree.map(lambda a: a[0], xs)
+    target0 = jax.tree.map(lambda a: a[0], targets)
+    y = jax.eval_shape(lambda s, x: _forward_impl(graph, s, as_args(graph, x))[0], state, first)
+    try:
+        out = jax.eval_shape(loss_fn, y, target0)
+    except Exception as err:
+        raise StepInputError(
+            f"loss_fn(y_t, target_t) failed for y_t {jax.tree.map(lambda a: a.shape, y)} and "
+            f"target_t {jax.tree.map(jnp.shape, target0)}: {type(err).__name__}: {err}. Pass "
+            "targets whose per-step slices fit loss_fn."
+        ) from err
+    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
+        raise StepInputError(
+            f"loss_fn(y_t, target_t) must return a float scalar, got {out}. Reduce the per-step "
+            "loss to a scalar (e.g. with jnp.mean or jnp.sum)."
+        )
+
+
+def online_grad(
+    graph: ETraceGraph,
+    algo: OnlineAlgorithm,
+    state: ModelState,
+    traces: PyTree,
+    xs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    *,
+    window: int | None = None,
+) -> tuple[PathDict[PyTree], dict[str, Any]]:
+    """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over a sequence.
+
+    One `lax.scan` runs the step, the learning signal ``∂L_t/∂h^t``, the trace update
+    and the gradient contraction; memory does not grow with the sequence length.
+    Traced weights get ``Σ_t L_t · ε_t``; every other parameter (readouts, excluded
+    or plainly used weights) gets its exact instantaneous gradient each step.
+
+    **Arguments:**
+
+    - `graph`: the `ETraceGraph` (compiled with the hidden perturbation).
+    - `algo`: an `OnlineAlgorithm` (`DRTRL`, `PPProp`, `EProp`).
+    - `state`: the `ModelState` at the start of the sequence.
+    - `traces`: the traces at the start (``algo.init(graph, state)``).
+    - `xs`, `targets`: per-step inputs and targets with a leading time axis.
+    - `loss_fn`: ``loss_fn(y_t, target_t) -> scalar``, summed over steps. Pass the same
+      function object on every call to avoid recompiling.
+    - `window`: ``k`` for truncated windows: exact reverse mode inside each window of
+      ``k`` steps plus the traces for credit across windows.
+
+    **Returns:** ``(grads, aux)``: `grads` is a `PathDict` shaped like
+    ``state.params``; `aux` has ``losses`` ``(T,)``, the final ``state`` and ``traces``.
+    """
+    if not isinstance(algo, OnlineAlgorithm):
+        raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
+    if not graph.hidden_param_op_relations:
+        raise CompilationError(
+            "online_grad needs a graph with at least one relation (a weight traced into a hidden "
+            "state); this graph has none. Use etrax.bptt_grad instead."
+        )
+    if graph.hidden_perturb is None and window is None:
+        raise ValueError(
+            "online_grad needs the hidden perturbation: compile with include_hidden_perturb=True"
+        )
+    check_state(graph, state)
+    T = _check_sequences(graph, xs, targets, loss_fn)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= T):
+        raise ValueError(f"window must be an int in [1, T={T}], got {window!r}")
+    expected = jax.tree.structure(jax.eval_shape(lambda: algo.init(graph, state)))
+    if jax.tree.structure(traces) != expected:
+        raise StepInputError(
+            f"traces do not match {type(algo).__name__}.init(graph, state) for this graph "
+            "(a different graph or algorithm?)"
+        )
+    _check_loss(graph, state, xs, targets, loss_fn)
+    return _online_jit(graph, loss_fn, window, algo, state, traces, xs, targets)  # type: ignore[no-any-return]
+
+
+def _bptt_impl(
+    graph: ETraceGraph, loss_fn: LossFn, state: ModelState, xs: Any, targets: Any
+) -> tuple[PathDict[PyTree], dict[str, Any]]:
+    def total(params: PathDict[PyTree]) -> Any:
+        def body(s: ModelState, inp: Any) -> Any:
+            x, t = inp
+            out, s2 = _forward_impl(graph, s, as_args(graph, x))
+            return s2, loss_fn(out, t)
+
+        final, losses = jax.lax.scan(body, state.replace_params(params), (xs, targets))
+        return jnp.sum(losses), (losses, final)
+
+    (_, (losses, final)), grads = jax.value_and_grad(total, has_aux=True)(state.params)
+    return grads, {"losses": losses, "state": final}
+
+
+_bptt_jit = jax.jit(_bptt_impl, static_argnums=(0, 1))
+
+
+def bptt_grad(
+    graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn
+) -> tuple[PathDict[PyTree], dict[str, Any]]:
+    """Exact gradient of ``Σ_t loss_fn(y_t, target_t)`` by backpropagation through time
+    (`jax.grad` over one `lax.scan`): the reference to check an online approximation
+    against. Same data contracts as `online_grad`; memory grows with the length.
+
+    **Returns:** ``(grads, aux)`` with ``aux['losses']`` and the final ``aux['state']``.
+    """
+    check_state(graph, state)
+    _check_sequences(graph, xs, targets, loss_fn)
+    _check_loss(graph, state, xs, targets, loss_fn)
+    return _bptt_jit(graph, loss_fn, state, xs, targets)  # type: ignore[no-any-return]

@@ -1,0 +1,250 @@
+"""Trace kernels shared by the algorithms.
+
+Two implementations of the D-RTRL recursion per slot:
+
+- *generic*: through the op's `ETPRules` (`instant`, `scale`, `solve`), in the rule
+  layout ``(*extra, *trace_shape, S)``, vmapped over the extra broadcast axes;
+- *fused*: for ops whose rules `factor`, in the canonical layout
+  ``(NB, I, O, S)`` (or ``(NB, O, S)``), as einsums, including a *chunked* form that
+  re-associates K steps so the trace is read and written once per chunk.
+
+Both compute exactly the same recursion
+``ε_t[..., a] = Σ_b D_t[..., a, b] ε_{t-1}[..., b] + instant(x_t, df_t[..., a])``
+and gradient ``Σ_a solve(L_t[..., a], ε_t[..., a])``.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ._plan import Slot
+
+__all__ = [
+    "drtrl_chunk",
+    "drtrl_init",
+    "drtrl_solve",
+    "drtrl_update",
+    "instant_contribution",
+    "map_extra",
+]
+
+Trace = dict[str, Array]
+
+
+def map_extra(slot: Slot, fn: Callable[..., Any], mapped: tuple[Any, ...], *, reduce: bool) -> Any:
+    """Apply `fn` over the slot's extra broadcast axes (leading axes of each mapped
+    argument); sum the results over them when `reduce`."""
+    n = len(slot.extra)
+    f = fn
+    for _ in range(n):
+        f = jax.vmap(f)
+    out = f(*mapped)
+    if reduce and n:
+        out = jax.tree.map(lambda v: jnp.sum(v, axis=tuple(range(n))), out)
+    return out
+
+
+def drtrl_init(slot: Slot, dtype: Any) -> Trace:
+    S = slot.num_state
+    return {
+        k: jnp.zeros((*slot.extra, *slot.trace_shapes[k], S), dtype) for k in slot.keys
+    }
+
+
+# --- canonical layout ------------------------------------------------------------------
+
+
+def _canon_out(slot: Slot, a: Array, trailing: int) -> Array:
+    """``(*varshape, *T)`` with ``len(T) == trailing`` → ``(NB, O, *T)``."""
+    tail = a.shape[a.ndim - trailing :] if trailing else ()
+    return a.reshape(slot.nb, slot.out, *tail)
+
+
+def _canon_u(slot: Slot, u: Array) -> Array:
+    """An input factor ``(*op_batch, I)`` broadcast over extra axes → ``(NB, I)``."""
+    full = jnp.broadcast_to(u, (*slot.extra, *u.shape))
+    return full.reshape(slot.nb, u.shape[-1])
+
+
+def _canon_trace(slot: Slot, key: str, eps: Array) -> Array:
+    i = slot.inputs[key]
+    S = slot.num_state
+    if i is None:
+        return eps.reshape(slot.nb, slot.out, S)
+    return eps.reshape(slot.nb, i, slot.out, S)
+
+
+def _factors(slot: Slot, x: Array | None) -> dict[str, Array | None]:
+    assert slot.rules.factor is not None
+    fac = slot.rules.factor(x, slot.params)
+    return {k: None if u is None else _canon_u(slot, u) for k, u in fac.inputs.items()}
+
+
+# --- per-step ----------------------------------------------------------------------------
+
+
+def _fused_update(slot: Slot, eps: Trace, x: Array | None, df: Array, D: Array) -> Trace:
+    dfc = _canon_out(slot, df, 1)  # (NB, O, S)
+    Dc = _canon_out(slot, D, 2)  # (NB, O, S, S)
+    us = _factors(slot, x)
+    out = {}
+    for k in slot.keys:
+        e = _canon_trace(slot, k, eps[k])
+        u = us[k]
+        if slot.num_state == 1:
+            d = Dc[..., 0, 0]
+            if u is None:
+                new = d[..., None] * e + dfc
+            else:
+                new = d[:, None, :, None] * e + u[:, :, None, None] * dfc[:, None, :, :]
+        elif u is None:
+            new = jnp.einsum("noac,noc->noa", Dc, e) + dfc
+        else:
+            new = jnp.einsum("noac,nioc->nioa", Dc, e) + u[:, :, None, None] * dfc[:, None]
+        out[k] = new.reshape(eps[k].shape)
+    return out
+
+
+def _generic_update(
+    slot: Slot, eps: Trace, x: Array | None, df: Array, D: Array, weights: Mapping[str, Array]
+) -> Trace:
+    rules = slot.rules
+    S = slot.num_state
+
+    def one(e: Trace, d: Array, jac: Array) -> Trace:
+        incs = [rules.instant(x, d[..., a], weights, slot.params) for a in range(S)]
+        out = {}
+        for k in slot.keys:
+            cols = []
+            for a in range(S):
+                acc = incs[a][k]
+                for b in range(S):
+                    scaled = rules.scale(jac[..., a, b], {kk: e[kk][..., b] for kk in slot.keys}, slot.params)
+                    acc = acc + scaled[k]
+                cols.append(acc)
+            out[k] = jnp.stack(cols, axis=-1).astype(e[k].dtype)
+        return out
+
+    return map_extra(slot, one, (eps, df, D), reduce=False)  # type: ignore[no-any-return]
+
+
+def drtrl_update(
+    slot: Slot, eps: Trace, x: Array | None, df: Array, D: Array, weights: Mapping[str, Array]
+) -> Trace:
+    """One step of the D-RTRL recursion for one slot."""
+    if slot.factorized:
+        return _fused_update(slot, eps, x, df, D)
+    return _generic_update(slot, eps, x, df, D, weights)
+
+
+def _weight_shape(slot: Slot, key: str) -> tuple[int, ...]:
+    return tuple(slot.weight_structs[key].shape)
+
+
+def drtrl_solve(slot: Slot, eps: Trace, L: Array, weights: Mapping[str, Array]) -> Trace:
+    """Effective-operand gradient ``Σ_a solve(L[..., a], ε[..., a])`` of one slot."""
+    if slot.factorized:
+        Lc = _canon_out(slot, L, 1)
+        out = {}
+        for k in slot.keys:
+            e = _canon_trace(slot, k, eps[k])
+            if slot.inputs[k] is None:
+                g = jnp.einsum("noa,noa->o", Lc, e)
+            else:
+                g = jnp.einsum("noa,nioa->io", Lc, e)
+            out[k] = g.reshape(_weight_shape(slot, k))
+        return out
+    rules = slot.rules
+
+    def one(e: Trace, sig: Array) -> Trace:
+        total: Trace = {}
+        for a in range(slot.num_state):
+            g = rules.solve(sig[..., a], {k: e[k][..., a] for k in slot.keys}, weights, slot.params)
+            total = {k: total[k] + g[k] if k in total else g[k] for k in g}
+        return total
+
+    return map_extra(slot, one, (eps, L), reduce=True)  # type: ignore[no-any-return]
+
+
+def instant_contribution(
+    slot: Slot, x: Array | None, df: Array, L: Array, weights: Mapping[str, Array]
+) -> Trace:
+    """The within-step traced gradient ``Σ_a solve(L_a, instant(x, df_a))`` of a slot
+    (equal to ``contract(x, Σ_a df_a L_a)``)."""
+    sig = jnp.sum(df * L, axis=-1)
+    rules = slot.rules
+
+    def one(s: Array) -> Trace:
+        return rules.contract(x, s, weights, slot.params)
+
+    return map_extra(slot, one, (sig,), reduce=True)  # type: ignore[no-any-return]
+
+
+# --- chunked (fused only) --------------------------------------------------------------------
+
+
+def drtrl_chunk(
+    slot: Slot,
+    eps: Trace,
+    xs: Array | None,
+    dfs: Array,
+    Ds: Array,
+    Ls: Array,
+    Ns: Array | None = None,
+) -> tuple[Trace, Trace]:
+    """K steps of the fused recursion at once.
+
+    With ``Q_k = D_{K-1} ⋯ D_{k+1}``, ``G_k = L_k + D_{k+1}^T G_{k+1}``:
+
+    - ``ε_K = (Q_0 D_0) ε_0 + Σ_k u_k ⊗ (Q_k df_k)``;
+    - ``Σ_k Σ_a L_k ε_k = ⟨D_0^T G_0, ε_0⟩ + Σ_k u_k ⊗ ⟨df_k, G_k⟩``;
+
+    so ``ε`` is read and written once per chunk and the per-step terms become
+    (batched) matrix products. Equal to K applications of the per-step form.
+    With `Ns` (signals on the *old* hidden values, ``Σ_k N_k ε_{k-1}``), step ``k``'s
+    signal gains ``N_{k+1}`` and ``ε_0`` is contracted with ``N_0`` too.
+    """
+    K = dfs.shape[0]
+    S = slot.num_state
+    dfc = jax.vmap(lambda a: _canon_out(slot, a, 1))(dfs)  # (K, NB, O, S)
+    Dc = jax.vmap(lambda a: _canon_out(slot, a, 2))(Ds)  # (K, NB, O, S, S)
+    Lc = jax.vmap(lambda a: _canon_out(slot, a, 1))(Ls)
+    N0 = None
+    if Ns is not None:
+        Nc = jax.vmap(lambda a: _canon_out(slot, a, 1))(Ns)
+        N0 = Nc[0]
+        Lc = Lc + jnp.concatenate([Nc[1:], jnp.zeros_like(Nc[:1])], axis=0)
+    eye = jnp.broadcast_to(jnp.eye(S, dtype=dfc.dtype), Dc.shape[1:])
+
+    def back(carry: tuple[Array, Array], inp: tuple[Array, Array, Array]) -> Any:
+        g_acc, Q = carry  # D_{k+1}^T G_{k+1}, Q_k
+        L_k, D_k, df_k = inp
+        G_k = L_k + g_acc
+        R_k = jnp.einsum("noac,noc->noa", Q, df_k)
+        new = (jnp.einsum("noca,noc->noa", D_k, G_k), jnp.einsum("noac,nocb->noab", Q, D_k))
+        return new, (G_k, R_k)
+
+    init = (jnp.zeros_like(Lc[0]), eye)
+    (A, P), (G, R) = jax.lax.scan(back, init, (Lc, Dc, dfc), reverse=True)
+    if N0 is not None:
+        A = A + N0
+    W = jnp.sum(dfc * G, axis=-1)  # (K, NB, O)
+    us = None if xs is None else jax.vmap(lambda v: _factors(slot, v))(xs)
+    new_eps: Trace = {}
+    grads: Trace = {}
+    for k in slot.keys:
+        e0 = _canon_trace(slot, k, eps[k])
+        u = None if us is None else us[k]
+        if u is None:
+            g = jnp.einsum("noa,noa->o", A, e0) + jnp.sum(W, axis=(0, 1))
+            eK = jnp.einsum("noac,noc->noa", P, e0) + jnp.sum(R, axis=0)
+        else:
+            g = jnp.einsum("noa,nioa->io", A, e0) + jnp.einsum("kni,kno->io", u, W)
+            eK = jnp.einsum("noac,nioc->nioa", P, e0) + jnp.einsum("kni,knoa->nioa", u, R)
+        grads[k] = g.reshape(_weight_shape(slot, k))
+        new_eps[k] = eK.reshape(eps[k].shape).astype(eps[k].dtype)
+    del K
+    return new_eps, grads

@@ -1,0 +1,119 @@
+"""Static planning shared by the online algorithms and drivers.
+
+A *slot* is one (relation, connected group) pair: one eligibility trace. The plan
+records, per slot, how the trace is shaped and whether the op's rules factorise
+(so fused kernels apply), and, per graph, which parameters learn from the
+exact instantaneous gradient (`instant_params`).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._compat import shape_struct
+from .._errors import CompilationError
+from .._typing import Path, Shape
+from ..compiler import ETraceGraph, HiddenParamOpRelation, WeightRule
+from ..ops import ETPRules
+
+__all__ = ["Plan", "Slot", "plan_of"]
+
+
+class Slot:
+    """Static description of one trace (relation ``r``, its ``k``-th tail)."""
+
+    def __init__(
+        self, graph: ETraceGraph, table: Any, rel: HiddenParamOpRelation, k: int
+    ) -> None:
+        tail = rel.tails[k]
+        group = graph.hidden_groups[tail.group_index]
+        rules = rel.spec.rules
+        if rules is None:
+            raise CompilationError(
+                f"the ETP primitive {rel.primitive.name} has no ETPRules, so online algorithms "
+                "cannot trace it; register them with etrax.register_rules"
+            )
+        self.relation = rel.index
+        self.tail = k
+        self.group = tail.group_index
+        self.rules: ETPRules = rules
+        self.num_state = group.num_state
+        self.varshape: Shape = group.varshape
+        self.extra: Shape = tuple(group.varshape[: tail.broadcast_ndim])
+        self.y_shape: Shape = rel.y_shape
+        self.x_shape: Shape | None = rel.x_shape
+        self.keys: tuple[str, ...] = tuple(t.key for t in rel.trainables)
+        self.params: Mapping[str, Any] = rel.params
+        self.dtype = np.dtype(rel.dtype)
+        weights = {
+            t.key: shape_struct(table.var(t.var).aval.shape, table.var(t.var).aval.dtype)
+            for t in rel.trainables
+        }
+        self.weight_structs = weights
+        x_struct = (
+            None
+            if rel.x_var is None
+            else shape_struct(table.var(rel.x_var).aval.shape, table.var(rel.x_var).aval.dtype)
+        )
+        y_struct = shape_struct(rel.y_shape, rel.dtype)
+        shapes = rules.param_trace_shapes(x_struct, y_struct, weights, rel.params)
+        self.trace_shapes: dict[str, Shape] = {k_: tuple(shapes[k_]) for k_ in self.keys}
+        self.factorized = rules.factor is not None
+        self.batch_ndim = 0
+        self.inputs: dict[str, int | None] = {}
+        if rules.factor is not None:
+            fac = jax.eval_shape(lambda xx: rules.factor(xx, rel.params), x_struct)  # type: ignore[misc]
+            self.batch_ndim = int(fac.batch_ndim)
+            self.inputs = {
+                k_: None if u is None else int(u.shape[-1]) for k_, u in fac.inputs.items()
+            }
+        # canonical fused layout: (NB, I, O, S) / (NB, O, S)
+        op_batch = self.y_shape[: self.batch_ndim]
+        self.nb = int(np.prod((*self.extra, *op_batch), dtype=np.int64))
+        self.out = int(np.prod(self.y_shape[self.batch_ndim :], dtype=np.int64))
+
+
+class Plan:
+    """Everything static an algorithm or driver needs about a graph."""
+
+    def __init__(self, graph: ETraceGraph) -> None:
+        from ..compiler._jaxpr import VarTable
+
+        table = VarTable(graph.module_info.jaxpr)
+        self.slots: tuple[Slot, ...] = tuple(
+            Slot(graph, table, rel, k)
+            for rel in graph.hidden_param_op_relations
+            for k in range(len(rel.tails))
+        )
+        rules = graph.weight_rules()
+        traced_routes = {
+            p
+            for rel in graph.hidden_param_op_relations
+            if rel.untraced_routes
+            for p in rel.weight_paths
+        }
+        self.instant_params: tuple[Path, ...] = tuple(
+            p
+            for p in graph.module_info.weight_paths
+            if rules[p].rule is not WeightRule.TRACED or rules[p].plain_use or p in traced_routes
+        )
+        pi = set(self.instant_params)
+        # relations whose within-step traced contribution is also inside the
+        # instantaneous gradient (it must be subtracted once)
+        self.overlap: tuple[int, ...] = tuple(
+            rel.index
+            for rel in graph.hidden_param_op_relations
+            if any(p in pi for p in rel.weight_paths)
+        )
+
+
+def plan_of(graph: ETraceGraph) -> Plan:
+    """The graph's `Plan`, computed once and kept on the graph object."""
+    plan = graph.__dict__.get("_etrax_plan")
+    if plan is None:
+        plan = Plan(graph)
+        object.__setattr__(graph, "_etrax_plan", plan)
+    assert isinstance(plan, Plan)
+    return plan
