@@ -223,6 +223,19 @@ class SpikingFF(brainstate.nn.Module):
         return out
 
 
+class LeakyTanhReadout(brainstate.nn.Module):
+    """A leaky tanh layer followed by a linear readout (a non-temporal weight)."""
+
+    def __init__(self, n_in: int, n_hid: int) -> None:
+        super().__init__()
+        self.rnn = LeakyTanh(n_in, n_hid)
+        self.readout = etrax.nn.Linear(n_hid, 2)
+
+    def update(self, x: ArrayLike) -> Array:
+        out: Array = self.readout(self.rnn(x))
+        return out
+
+
 @dataclass(frozen=True)
 class ModelCase:
     """One catalogue entry: ``make()`` returns an initialised model and an input."""
@@ -230,7 +243,11 @@ class ModelCase:
     name: str
     make: Callable[[], tuple[brainstate.nn.Module, Any]]
     diagonal: bool
-    """Whether the recurrence is truly position-diagonal (D equals the exact Jacobian)."""
+    """Whether every group's transition is truly position-diagonal (D equals the
+    exact Jacobian's block diagonal)."""
+    exact_online: bool = False
+    """Whether the whole step's recurrence is diagonal (no weight between hidden
+    values across steps), so D-RTRL equals BPTT."""
 
 
 def build(
@@ -244,16 +261,17 @@ def build(
 
 
 CATALOGUE: tuple[ModelCase, ...] = (
-    ModelCase("leaky_linear", lambda: build(LeakyLinear, 3, 4), True),
-    ModelCase("leaky_linear_b2", lambda: build(LeakyLinear, 3, 4, batch=2), True),
-    ModelCase("leaky_tanh", lambda: build(LeakyTanh, 3, 5), True),
-    ModelCase("two_state", lambda: build(TwoStateNeuron, 3, 4), True),
-    ModelCase("two_state_b2", lambda: build(TwoStateNeuron, 3, 4, batch=2), True),
-    ModelCase("stacked_state", lambda: build(StackedStateNeuron, 3, 4), True),
+    ModelCase("leaky_linear", lambda: build(LeakyLinear, 3, 4), True, True),
+    ModelCase("leaky_linear_b2", lambda: build(LeakyLinear, 3, 4, batch=2), True, True),
+    ModelCase("leaky_tanh", lambda: build(LeakyTanh, 3, 5), True, True),
+    ModelCase("leaky_tanh_readout", lambda: build(LeakyTanhReadout, 3, 5), True, True),
+    ModelCase("two_state", lambda: build(TwoStateNeuron, 3, 4), True, True),
+    ModelCase("two_state_b2", lambda: build(TwoStateNeuron, 3, 4, batch=2), True, True),
+    ModelCase("stacked_state", lambda: build(StackedStateNeuron, 3, 4), True, True),
     ModelCase("ff_stack", lambda: build(LeakyFeedForwardStack, 3, 4, 5), True),
-    ModelCase("elementwise_decay_b2", lambda: build(ElementwiseDecay, 3, 4, batch=2), True),
-    ModelCase("lif_ff", lambda: build(SpikingFF, 3, 5), True),
-    ModelCase("alif_ff_b2", lambda: build(SpikingFF, 3, 5, True, batch=2), True),
+    ModelCase("elementwise_decay_b2", lambda: build(ElementwiseDecay, 3, 4, batch=2), True, True),
+    ModelCase("lif_ff", lambda: build(SpikingFF, 3, 5), True, True),
+    ModelCase("alif_ff_b2", lambda: build(SpikingFF, 3, 5, True, batch=2), True, True),
     ModelCase("gru", lambda: build(etrax.nn.GRUCell, 3, 4), False),
     ModelCase("gru_b2", lambda: build(etrax.nn.GRUCell, 3, 4, batch=2), False),
     ModelCase("lstm", lambda: build(etrax.nn.LSTMCell, 3, 4), False),

@@ -38,6 +38,7 @@ __all__ = [
     "shaped_array",
     "struct_of",
     "vary_like",
+    "vary_tree",
 ]
 
 Primitive = jex.Primitive
@@ -165,6 +166,27 @@ def vary_like(value: Any, like: Any) -> Any:
     if not want or have is None or want <= have:
         return value
     return jax.lax.pcast(value, tuple(sorted(want - have, key=str)), to="varying")
+
+
+def vary_tree(tree: Any, *likes: Any) -> Any:
+    """Every leaf of `tree` cast to vary over all manual mesh axes that any leaf of
+    `likes` varies over (a no-op outside `jax.shard_map`): initial `lax.scan`
+    carries must already vary like the values the loop body produces."""
+    axes: frozenset[Any] = frozenset()
+    for leaf in jax.tree.leaves(likes):
+        found = _varying_axes(leaf)
+        if found:
+            axes = axes | found
+    if not axes:
+        return tree
+
+    def cast(leaf: Any) -> Any:
+        have = _varying_axes(leaf)
+        if have is None or axes <= have:
+            return leaf
+        return jax.lax.pcast(leaf, tuple(sorted(axes - have, key=str)), to="varying")
+
+    return jax.tree.map(cast, tree)
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:

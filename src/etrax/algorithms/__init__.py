@@ -8,8 +8,8 @@ from ._weights import operand_values, operands_to_params
 
 __all__ = [
     "DRTRL",
-    "DRTRLTraces",
     "ESDRTRL",
+    "DRTRLTraces",
     "EProp",
     "EPropTraces",
     "EffGrads",

@@ -1,6 +1,7 @@
 """Sequence drivers: `online_grad` (one `lax.scan`, memory independent of the
 sequence length) and `bptt_grad` (exact backpropagation through time)."""
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._compat import vary_tree
 from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
@@ -145,7 +147,7 @@ def _online_impl(
             acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, sig, weights))
             return (st, tr, acc_eff, acc_pi, acc_sub), loss
 
-        init = (state, traces, zeros, _zero_pi(state, pi_paths), zeros)
+        init = vary_tree((state, traces, zeros, _zero_pi(state, pi_paths), zeros), state, xs)
         (state, traces, acc_eff, acc_pi, acc_sub), losses = jax.lax.scan(body, init, (xs, targets))
     else:
 
@@ -158,10 +160,12 @@ def _online_impl(
             return (st, tr, add_eff(acc_eff, g), acc_pi, acc_sub), loss
 
         n_full, rem = divmod(T, K)
-        carry = (state, traces, zeros, _zero_pi(state, pi_paths), zeros)
+        carry = vary_tree((state, traces, zeros, _zero_pi(state, pi_paths), zeros), state, xs)
         parts = []
         if n_full:
-            head = jax.tree.map(lambda a: a[: n_full * K].reshape(n_full, K, *a.shape[1:]), (xs, targets))
+            head = jax.tree.map(
+                lambda a: a[: n_full * K].reshape(n_full, K, *a.shape[1:]), (xs, targets)
+            )
             carry, losses_full = jax.lax.scan(chunk_body, carry, head)
             parts.append(losses_full.reshape(n_full * K))
         if rem:
@@ -199,14 +203,16 @@ def _window_impl(
                 out, s2, jac = _step_impl(graph, s, as_args(graph, x), False)
                 return s2, (loss_fn(out, t), jac)
 
-            s_end, (losses, jacs) = jax.lax.scan(body, ModelState(params, hidden, st.other), (xw, tw))
+            s_end, (losses, jacs) = jax.lax.scan(
+                body, ModelState(params, hidden, st.other), (xw, tw)
+            )
             return jnp.sum(losses), (losses, jacs, s_end)
 
-        _, vjp_fn, (losses, jacs, s_end) = jax.vjp(
-            window_loss, st.params, st.hidden, has_aux=True
-        )
+        _, vjp_fn, (losses, jacs, s_end) = jax.vjp(window_loss, st.params, st.hidden, has_aux=True)
         g_params, g_hidden = vjp_fn(jnp.ones((), dtype))
-        signals = [g.concat_hidden([g_hidden[p] for p in g.hidden_paths]) for g in graph.hidden_groups]
+        signals = [
+            g.concat_hidden([g_hidden[p] for p in g.hidden_paths]) for g in graph.hidden_groups
+        ]
         acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, signals, weights))
 
         def advance(t_: Any, jac: StepJacobians) -> Any:
@@ -217,10 +223,14 @@ def _window_impl(
 
     del hidden_paths
     n_full, rem = divmod(T, window)
-    carry = (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params))
+    carry = vary_tree(
+        (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params)), state, xs
+    )
     parts = []
     if n_full:
-        head = jax.tree.map(lambda a: a[: n_full * window].reshape(n_full, window, *a.shape[1:]), (xs, targets))
+        head = jax.tree.map(
+            lambda a: a[: n_full * window].reshape(n_full, window, *a.shape[1:]), (xs, targets)
+        )
         carry, losses_full = jax.lax.scan(run_window, carry, head)
         parts.append(losses_full.reshape(n_full * window))
     if rem:
@@ -261,9 +271,13 @@ def _check_sequences(graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn)
     return T
 
 
-def _check_loss(graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn) -> None:
+def _check_loss(
+    graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn
+) -> None:
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(y_t, target_t), got {type(loss_fn).__name__}")
+        raise TypeError(
+            f"loss_fn must be callable as loss_fn(y_t, target_t), got {type(loss_fn).__name__}"
+        )
     first = jax.tree.map(lambda a: a[0], xs)
     target0 = jax.tree.map(lambda a: a[0], targets)
     y = jax.eval_shape(lambda s, x: _forward_impl(graph, s, as_args(graph, x))[0], state, first)
@@ -275,11 +289,39 @@ def _check_loss(graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, lo
             f"target_t {jax.tree.map(jnp.shape, target0)}: {type(err).__name__}: {err}. Pass "
             "targets whose per-step slices fit loss_fn."
         ) from err
-    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
+    if not (
+        isinstance(out, jax.ShapeDtypeStruct)
+        and out.shape == ()
+        and jnp.issubdtype(out.dtype, jnp.floating)
+    ):
         raise StepInputError(
             f"loss_fn(y_t, target_t) must return a float scalar, got {out}. Reduce the per-step "
             "loss to a scalar (e.g. with jnp.mean or jnp.sum)."
         )
+
+
+def _avals(tree: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in leaves)
+
+
+def _seen(graph: ETraceGraph, key: Any) -> bool:
+    """Whether these argument types were already validated for `graph` (the checks
+    trace the step, so they run once per graph and argument types)."""
+    checked = graph.__dict__.get("_etrax_checked")
+    try:
+        return checked is not None and key in checked
+    except TypeError:  # an unhashable loss_fn: always check
+        return False
+
+
+def _remember(graph: ETraceGraph, key: Any) -> None:
+    checked = graph.__dict__.get("_etrax_checked")
+    if checked is None:
+        checked = set()
+        object.__setattr__(graph, "_etrax_checked", checked)
+    with contextlib.suppress(TypeError):  # an unhashable loss_fn is never cached
+        checked.add(key)
 
 
 def online_grad(
@@ -328,15 +370,19 @@ def online_grad(
         )
     check_state(graph, state)
     T = _check_sequences(graph, xs, targets, loss_fn)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= T):
+    w: object = window
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
         raise ValueError(f"window must be an int in [1, T={T}], got {window!r}")
-    expected = jax.tree.structure(jax.eval_shape(lambda: algo.init(graph, state)))
-    if jax.tree.structure(traces) != expected:
-        raise StepInputError(
-            f"traces do not match {type(algo).__name__}.init(graph, state) for this graph "
-            "(a different graph or algorithm?)"
-        )
-    _check_loss(graph, state, xs, targets, loss_fn)
+    key = ("online", _avals(xs), _avals(targets), loss_fn, _avals(traces), jax.tree.structure(algo))
+    if not _seen(graph, key):
+        expected = jax.eval_shape(lambda: algo.init(graph, state))
+        if _avals(traces) != _avals(expected):
+            raise StepInputError(
+                f"traces do not match {type(algo).__name__}.init(graph, state) for this graph "
+                "(a different graph or algorithm?)"
+            )
+        _check_loss(graph, state, xs, targets, loss_fn)
+        _remember(graph, key)
     return _online_jit(graph, loss_fn, window, algo, state, traces, xs, targets)  # type: ignore[no-any-return]
 
 
@@ -370,5 +416,8 @@ def bptt_grad(
     """
     check_state(graph, state)
     _check_sequences(graph, xs, targets, loss_fn)
-    _check_loss(graph, state, xs, targets, loss_fn)
+    key = ("bptt", _avals(xs), _avals(targets), loss_fn)
+    if not _seen(graph, key):
+        _check_loss(graph, state, xs, targets, loss_fn)
+        _remember(graph, key)
     return _bptt_jit(graph, loss_fn, state, xs, targets)  # type: ignore[no-any-return]

@@ -11,7 +11,7 @@ from jaxtyping import Array, PRNGKeyArray
 from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import ModelState, StepJacobians
-from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, check_relations, scan_chunk
+from ._base import EffGrads, OnlineAlgorithm, Weights, check_relations, scan_chunk
 from ._kernels import drtrl_chunk, drtrl_init, drtrl_solve, drtrl_update
 from ._plan import plan_of
 
@@ -128,7 +128,8 @@ class DRTRL(OnlineAlgorithm):
     chunk_steps: int = eqx.field(static=True, default=16)
 
     def __check_init__(self) -> None:
-        if not isinstance(self.chunk_steps, int) or self.chunk_steps < 1:
+        steps: object = self.chunk_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"DRTRL: chunk_steps must be a positive int, got {self.chunk_steps!r}")
 
     @property
@@ -199,7 +200,9 @@ class EProp(OnlineAlgorithm):
         if not 0.0 <= self.kappa < 1.0:
             raise ValueError(f"EProp: kappa must be in [0, 1), got {self.kappa}")
         if self.feedback not in ("symmetric", "random"):
-            raise ValueError(f"EProp: feedback must be 'symmetric' or 'random', got {self.feedback!r}")
+            raise ValueError(
+                f"EProp: feedback must be 'symmetric' or 'random', got {self.feedback!r}"
+            )
         if self.feedback == "random" and self.key is None:
             raise ValueError("EProp(feedback='random') needs key=jax.random.key(...)")
 
@@ -262,5 +265,3 @@ class EProp(OnlineAlgorithm):
             self, graph, traces, jacs, signals, weights, dtype, olds
         )
         return out
-
-

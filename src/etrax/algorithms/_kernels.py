@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._compat import vary_tree
 from ._plan import Slot
 
 __all__ = [
@@ -49,9 +50,7 @@ def map_extra(slot: Slot, fn: Callable[..., Any], mapped: tuple[Any, ...], *, re
 
 def drtrl_init(slot: Slot, dtype: Any) -> Trace:
     S = slot.num_state
-    return {
-        k: jnp.zeros((*slot.extra, *slot.trace_shapes[k], S), dtype) for k in slot.keys
-    }
+    return {k: jnp.zeros((*slot.extra, *slot.trace_shapes[k], S), dtype) for k in slot.keys}
 
 
 # --- canonical layout ------------------------------------------------------------------
@@ -122,7 +121,9 @@ def _generic_update(
             for a in range(S):
                 acc = incs[a][k]
                 for b in range(S):
-                    scaled = rules.scale(jac[..., a, b], {kk: e[kk][..., b] for kk in slot.keys}, slot.params)
+                    scaled = rules.scale(
+                        jac[..., a, b], {kk: e[kk][..., b] for kk in slot.keys}, slot.params
+                    )
                     acc = acc + scaled[k]
                 cols.append(acc)
             out[k] = jnp.stack(cols, axis=-1).astype(e[k].dtype)
@@ -227,7 +228,7 @@ def drtrl_chunk(
         new = (jnp.einsum("noca,noc->noa", D_k, G_k), jnp.einsum("noac,nocb->noab", Q, D_k))
         return new, (G_k, R_k)
 
-    init = (jnp.zeros_like(Lc[0]), eye)
+    init = vary_tree((jnp.zeros_like(Lc[0]), eye), Lc, Dc, dfc)
     (A, P), (G, R) = jax.lax.scan(back, init, (Lc, Dc, dfc), reverse=True)
     if N0 is not None:
         A = A + N0

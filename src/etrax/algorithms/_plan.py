@@ -24,9 +24,7 @@ __all__ = ["Plan", "Slot", "plan_of"]
 class Slot:
     """Static description of one trace (relation ``r``, its ``k``-th tail)."""
 
-    def __init__(
-        self, graph: ETraceGraph, table: Any, rel: HiddenParamOpRelation, k: int
-    ) -> None:
+    def __init__(self, graph: ETraceGraph, table: Any, rel: HiddenParamOpRelation, k: int) -> None:
         tail = rel.tails[k]
         group = graph.hidden_groups[tail.group_index]
         rules = rel.spec.rules

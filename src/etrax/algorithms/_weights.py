@@ -31,7 +31,9 @@ def _consts(graph: ETraceGraph, ids: Sequence[int]) -> list[Any]:
     return [consts[i] for i in ids]
 
 
-def operand_values(graph: ETraceGraph, params: Mapping[Path, PyTree]) -> tuple[dict[str, Array], ...]:
+def operand_values(
+    graph: ETraceGraph, params: Mapping[Path, PyTree]
+) -> tuple[dict[str, Array], ...]:
     """The raw trainable operands each relation's op receives, from parameter values."""
     out = []
     for rel in graph.hidden_param_op_relations:
@@ -49,9 +51,7 @@ def zeros_like_params(params: Mapping[Path, PyTree]) -> PathDict[PyTree]:
 
 def add_param_grads(a: Mapping[Path, PyTree], b: Mapping[Path, PyTree]) -> PathDict[PyTree]:
     """``a + b`` over the paths of `a` (paths missing from `b` count as zero)."""
-    return PathDict(
-        (p, jax.tree.map(jnp.add, v, b[p]) if p in b else v) for p, v in a.items()
-    )
+    return PathDict((p, jax.tree.map(jnp.add, v, b[p]) if p in b else v) for p, v in a.items())
 
 
 def operands_to_params(
@@ -80,7 +80,9 @@ def operands_to_params(
                 return value  # type: ignore[no-any-return]
 
             _, vjp = jax.vjp(program, *leaves)
-            for (p, i), g in zip(t.param_leaves, vjp(raw[t.key].astype(ops[t.key].dtype)), strict=True):
+            for (p, i), g in zip(
+                t.param_leaves, vjp(raw[t.key].astype(ops[t.key].dtype)), strict=True
+            ):
                 leaf_grads[(p, i)] = leaf_grads[(p, i)] + g if (p, i) in leaf_grads else g
     out = PathDict[PyTree]()
     for p, v in grads.items():

@@ -176,7 +176,9 @@ class ETPRules(eqx.Module):
         """Effective-operand gradients for an output cotangent."""
         if self.contract_rule is not None:
             return self.contract_rule(x, cot, weights, params)
-        return self.solve(cot, self.instant(x, jnp.ones_like(cot), weights, params), weights, params)
+        return self.solve(
+            cot, self.instant(x, jnp.ones_like(cot), weights, params), weights, params
+        )
 
     def chain(
         self, grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params

@@ -1,0 +1,322 @@
+"""Online learning against BPTT (float64): exactness where the recurrence is
+diagonal, approximation elsewhere, and negative controls for every knob."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array
+
+import etrax
+
+from .models import CATALOGUE, ModelCase, TanhRNN, build
+
+TOL = 1e-10
+EXACT = tuple(c for c in CATALOGUE if c.exact_online)
+
+
+def mse(y: Array, t: Array) -> Array:
+    return jnp.sum((y - t) ** 2)
+
+
+def rel_err(a: Any, b: Any) -> float:
+    """Largest per-leaf ``max|a - b| / max|b|``."""
+    worst = 0.0
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        scale = float(jnp.max(jnp.abs(v)))
+        worst = max(worst, float(jnp.max(jnp.abs(u - v))) / (scale if scale > 0 else 1.0))
+    return worst
+
+
+def _problem(
+    case: ModelCase, T: int, seed: int = 0
+) -> tuple[etrax.ETraceGraph, etrax.ModelState, Array, Array]:
+    model, x = case.make()
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.PRNGKey(seed), (T, *x.shape))
+    y0, _ = etrax.forward(graph, state, x)
+    targets = jax.random.normal(jax.random.PRNGKey(seed + 1), (T, *y0.shape))
+    return graph, state, xs, targets
+
+
+def _online(
+    algo: etrax.OnlineAlgorithm,
+    graph: etrax.ETraceGraph,
+    state: etrax.ModelState,
+    xs: Array,
+    ts: Array,
+    **kw: Any,
+) -> Any:
+    grads, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ts, mse, **kw)
+    return grads
+
+
+@pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("case", EXACT, ids=lambda c: c.name)
+def test_drtrl_equals_bptt_on_diagonal_models(case: ModelCase, T: int) -> None:
+    graph, state, xs, ts = _problem(case, T)
+    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    for algo in (etrax.DRTRL(chunk_steps=1), etrax.DRTRL(chunk_steps=3)):
+        got = _online(algo, graph, state, xs, ts)
+        assert rel_err(got, expected) <= TOL, (case.name, T, algo)
+        assert list(got) == list(state.params)
+
+
+@pytest.mark.parametrize("case", [c for c in CATALOGUE if not c.exact_online], ids=lambda c: c.name)
+def test_every_model_is_exact_at_one_step(case: ModelCase) -> None:
+    """At T = 1 every parameter's gradient is exact, traced or not."""
+    graph, state, xs, ts = _problem(case, 1)
+    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    for algo in (etrax.DRTRL(), etrax.PPProp(0.7), etrax.EProp()):
+        assert rel_err(_online(algo, graph, state, xs, ts), expected) <= TOL
+
+
+def test_untraced_parameters_get_their_instantaneous_gradient() -> None:
+    from .models import StackedGRU
+
+    model, x = build(StackedGRU)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (6, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (6, 2))
+    got = _online(etrax.DRTRL(), graph, state, xs, ts)
+    rules = graph.weight_rules()
+    for p in (("out", "weight"), ("l1", "Wr", "weight"), ("l2", "Wr", "weight")):
+        assert rules[p].rule is etrax.WeightRule.INSTANTANEOUS
+        assert all(float(jnp.max(jnp.abs(v))) > 0 for v in jax.tree.leaves(got[p]))
+    # the readout sees no history: its gradient is exact at every length
+    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    assert rel_err(got[("out", "weight")], expected[("out", "weight")]) <= TOL
+
+
+@pytest.mark.parametrize("case", (*EXACT[:4], CATALOGUE[-1]), ids=lambda c: c.name)
+def test_pp_prop_exact_at_t1_and_differs_later(case: ModelCase) -> None:
+    graph, state, xs, ts = _problem(case, 1)
+    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    assert rel_err(_online(etrax.PPProp(0.9), graph, state, xs, ts), expected) <= TOL
+    graph, state, xs, ts = _problem(case, 6)
+    pp = _online(etrax.PPProp(0.9), graph, state, xs, ts)
+    dr = _online(etrax.DRTRL(), graph, state, xs, ts)
+    assert rel_err(pp, dr) > 1e-4  # negative control: the approximation shows
+    assert (
+        rel_err(
+            _online(etrax.PPProp(4), graph, state, xs, ts),
+            _online(etrax.PPProp(0.6), graph, state, xs, ts),
+        )
+        <= TOL
+    )
+
+
+def test_eprop_reduces_to_drtrl_and_its_knobs_matter() -> None:
+    case = next(c for c in CATALOGUE if c.name == "two_state")
+    graph, state, xs, ts = _problem(case, 8)
+    dr = _online(etrax.DRTRL(), graph, state, xs, ts)
+    assert rel_err(_online(etrax.EProp(kappa=0.0), graph, state, xs, ts), dr) <= TOL
+    filtered = _online(etrax.EProp(kappa=0.5), graph, state, xs, ts)
+    assert rel_err(filtered, dr) > 1e-4
+    rnd = _online(etrax.EProp(feedback="random", key=jax.random.PRNGKey(3)), graph, state, xs, ts)
+    assert rel_err(rnd, dr) > 1e-4
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(rnd))
+
+
+def test_windows_on_a_nondiagonal_model() -> None:
+    case = ModelCase("tanh_rnn", lambda: build(TanhRNN, 3, 4), False)
+    T = 12
+    graph, state, xs, ts = _problem(case, T)
+    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    for algo in (etrax.DRTRL(), etrax.PPProp(0.5)):
+        assert rel_err(_online(algo, graph, state, xs, ts, window=T), expected) <= TOL
+        for k in (3, 5):
+            assert rel_err(_online(algo, graph, state, xs, ts, window=k), expected) > 1e-4
+    # per-step D-RTRL drops the recurrent weight's path: approximate, as documented
+    assert rel_err(_online(etrax.DRTRL(), graph, state, xs, ts), expected) > 1e-4
+
+
+def test_windows_are_exact_on_diagonal_models() -> None:
+    case = next(c for c in CATALOGUE if c.name == "leaky_tanh_readout")
+    graph, state, xs, ts = _problem(case, 10)
+    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    assert rel_err(_online(etrax.DRTRL(), graph, state, xs, ts, window=3), expected) <= TOL
+
+
+@pytest.mark.parametrize("K", [2, 5, 16])
+def test_chunked_equals_per_step(K: int) -> None:
+    for name in ("gru_b2", "lstm", "alif_ff_b2", "stacked_state"):
+        case = next(c for c in CATALOGUE if c.name == name)
+        graph, state, xs, ts = _problem(case, 11)
+        a, aux_a = etrax.online_grad(
+            graph, etrax.DRTRL(chunk_steps=1), state, etrax.DRTRL().init(graph, state), xs, ts, mse
+        )
+        b, aux_b = etrax.online_grad(
+            graph, etrax.DRTRL(chunk_steps=K), state, etrax.DRTRL().init(graph, state), xs, ts, mse
+        )
+        assert rel_err(b, a) <= 1e-12
+        assert rel_err(aux_b["traces"], aux_a["traces"]) <= 1e-12
+        np.testing.assert_allclose(aux_b["losses"], aux_a["losses"], rtol=1e-12)
+
+
+def test_sequences_continue_from_state_and_traces() -> None:
+    case = next(c for c in CATALOGUE if c.name == "gru")
+    graph, state, xs, ts = _problem(case, 8)
+    algo = etrax.DRTRL(chunk_steps=1)
+    whole, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ts, mse)
+    g1, aux1 = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs[:5], ts[:5], mse)
+    g2, _ = etrax.online_grad(graph, algo, aux1["state"], aux1["traces"], xs[5:], ts[5:], mse)
+    assert rel_err(jax.tree.map(jnp.add, g1, g2), whole) <= 1e-12
+
+
+def test_pure_interface_matches_the_driver() -> None:
+    case = next(c for c in CATALOGUE if c.name == "two_state")
+    graph, state, xs, ts = _problem(case, 3)
+    algo = etrax.DRTRL()
+    traces = algo.init(graph, state)
+    total: Any = None
+    s = state
+    for t in range(3):
+        y, s, jac, pullback = etrax.step_vjp(graph, s, xs[t])
+        traces = algo.update(graph, traces, jac)
+        cot = jax.grad(mse)(y, ts[t])
+        g = algo.grads(graph, traces, pullback(cot), state.params)
+        total = g if total is None else jax.tree.map(jnp.add, total, g)
+    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    # the model has no untraced parameter, so the trace contraction is everything
+    assert rel_err(total, expected) <= TOL
+
+
+def test_batched_and_vmapped_gradients_agree() -> None:
+    from .models import TwoStateNeuron
+
+    B, T = 3, 5
+    single, x1 = build(TwoStateNeuron, 3, 4)
+    batched, _ = build(TwoStateNeuron, 3, 4, batch=B)
+    g1 = etrax.compile_etrace_graph(single, x1)
+    gb = etrax.compile_etrace_graph(batched, jnp.ones((B, 3)))
+    s1 = etrax.state_of(g1)
+    sb = etrax.state_of(gb).replace_params(s1.params)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (T, B, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (T, B, 4))
+    algo = etrax.DRTRL()
+    native, _ = etrax.online_grad(gb, algo, sb, algo.init(gb, sb), xs, ts, mse)
+
+    def per_sample(x: Array, t: Array) -> Any:
+        g, _ = etrax.online_grad(g1, algo, s1, algo.init(g1, s1), x, t, mse)
+        return g
+
+    mapped = jax.vmap(per_sample, in_axes=(1, 1))(xs, ts)
+    summed = jax.tree.map(lambda v: jnp.sum(v, axis=0), mapped)
+    assert rel_err(summed, native) <= 1e-12
+
+
+def test_data_parallel_shard_map() -> None:
+    from jax.sharding import Mesh, PartitionSpec
+
+    from .models import TwoStateNeuron
+
+    def spec(*names: str | None) -> PartitionSpec:
+        out: PartitionSpec = PartitionSpec(*names)  # type: ignore[no-untyped-call]  # unannotated
+        return out
+
+    T = 4
+    local, _ = build(TwoStateNeuron, 3, 4, batch=2)
+    full, _ = build(TwoStateNeuron, 3, 4, batch=4)
+    gl = etrax.compile_etrace_graph(local, jnp.ones((2, 3)))
+    gf = etrax.compile_etrace_graph(full, jnp.ones((4, 3)))
+    sl = etrax.state_of(gl)
+    sf = etrax.state_of(gf).replace_params(sl.params)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (T, 4, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (T, 4, 4))
+    algo = etrax.DRTRL()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+
+    def shard(params: Any, h: Any, x: Any, t: Any) -> Any:
+        st = etrax.ModelState(params, h, etrax.PathDict())
+        g, _ = etrax.online_grad(gl, algo, st, algo.init(gl, st), x, t, mse)
+        total: Any = jax.lax.psum(g, "data")  # type: ignore[no-untyped-call]  # unannotated
+        return total
+
+    f = jax.jit(
+        jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=(spec(), spec("data"), spec(None, "data"), spec(None, "data")),
+            out_specs=spec(),
+        )
+    )
+    parallel = f(sl.params, sf.hidden, xs, ts)
+    single, _ = etrax.online_grad(gf, algo, sf, algo.init(gf, sf), xs, ts, mse)
+    assert rel_err(parallel, single) <= 1e-12
+
+
+def test_bad_inputs() -> None:
+    case = next(c for c in CATALOGUE if c.name == "gru")
+    graph, state, xs, ts = _problem(case, 5)
+    algo = etrax.DRTRL()
+    traces = algo.init(graph, state)
+    with pytest.raises(etrax.StepInputError, match="leading time axis"):
+        etrax.online_grad(graph, algo, state, traces, xs, ts[:3], mse)
+    with pytest.raises(etrax.StepInputError, match="fit loss_fn"):
+        etrax.online_grad(graph, algo, state, traces, xs, jnp.ones((5, 7)), mse)
+    with pytest.raises(etrax.StepInputError, match="scalar"):
+        etrax.online_grad(graph, algo, state, traces, xs, ts, lambda y, t: (y - t) ** 2)
+    with pytest.raises(etrax.StepInputError, match="traces do not match"):
+        etrax.online_grad(graph, etrax.PPProp(0.5), state, traces, xs, ts, mse)
+    with pytest.raises(ValueError, match="window"):
+        etrax.online_grad(graph, algo, state, traces, xs, ts, mse, window=9)
+    with pytest.raises(ValueError, match=r"decay must be in \[0, 1\)"):
+        etrax.PPProp(1.0)
+    with pytest.raises(ValueError, match=r"decay must be in \[0, 1\)"):
+        etrax.PPProp(-0.1)
+    with pytest.raises(ValueError, match="rank"):
+        etrax.PPProp(0)
+    with pytest.raises(ValueError, match="key"):
+        etrax.EProp(feedback="random")
+    with pytest.raises(ValueError, match="kappa"):
+        etrax.EProp(kappa=1.5)
+
+
+def test_graph_without_relations_is_refused() -> None:
+    import brainstate
+
+    class Plain(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = brainstate.ParamState(jnp.ones((3, 4)))
+
+        def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+            self.h = brainstate.HiddenState(jnp.zeros(4))
+
+        def update(self, x: Array) -> Array:
+            h = 0.5 * self.h.value + x @ self.w.value
+            self.h.value = h
+            return h
+
+    model = Plain()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    state = etrax.state_of(graph)
+    with pytest.raises(etrax.CompilationError, match="no relations"):
+        etrax.DRTRL().init(graph, state)
+    with pytest.raises(etrax.CompilationError, match="bptt_grad"):
+        etrax.online_grad(graph, etrax.DRTRL(), state, (), jnp.ones((2, 3)), jnp.ones((2, 4)), mse)
+
+
+def test_online_grad_compiles_once() -> None:
+    from .test_executor import count_traces
+
+    case = next(c for c in CATALOGUE if c.name == "lstm")
+    graph, state, xs, ts = _problem(case, 6)
+    algo = etrax.DRTRL()
+    traces = algo.init(graph, state)
+    g, aux = etrax.online_grad(graph, algo, state, traces, xs, ts, mse)
+    xs2, ts2 = xs * 2.0, ts + 1.0
+    with count_traces() as traced:
+        _, aux = etrax.online_grad(graph, algo, aux["state"], aux["traces"], xs2, ts2, mse)
+        np.asarray(aux["losses"])
+    assert traced == []
+
+
+Fn = Callable[..., Any]
