@@ -311,7 +311,7 @@ def test_online_grad_compiles_once() -> None:
     graph, state, xs, ts = _problem(case, 6)
     algo = etrax.DRTRL()
     traces = algo.init(graph, state)
-    g, aux = etrax.online_grad(graph, algo, state, traces, xs, ts, mse)
+    _, aux = etrax.online_grad(graph, algo, state, traces, xs, ts, mse)
     xs2, ts2 = xs * 2.0, ts + 1.0
     with count_traces() as traced:
         _, aux = etrax.online_grad(graph, algo, aux["state"], aux["traces"], xs2, ts2, mse)
