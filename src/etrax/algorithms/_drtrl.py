@@ -125,7 +125,7 @@ class DRTRL(OnlineAlgorithm):
       ``1`` runs the per-step form.
     """
 
-    chunk_steps: int = eqx.field(static=True, default=16)
+    chunk_steps: int = eqx.field(static=True, default=32)
 
     def __check_init__(self) -> None:
         steps: object = self.chunk_steps

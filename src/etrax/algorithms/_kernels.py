@@ -82,6 +82,32 @@ def _factors(slot: Slot, x: Array | None) -> dict[str, Array | None]:
     return {k: None if u is None else _canon_u(slot, u) for k, u in fac.inputs.items()}
 
 
+def _mix(M: Array, e: Array, has_input: bool) -> Array:
+    """``Σ_c M[n, o, a, c] e[n, (i,) o, c]`` as broadcast products (no batched matvecs)."""
+    S = M.shape[-1]
+    if has_input:
+        M = M[:, None]
+    if S == 1:
+        return M[..., 0] * e
+    return jnp.sum(M * e[..., None, :], axis=-1)
+
+
+def _weigh(A: Array, e: Array, has_input: bool) -> Array:
+    """``Σ_{n,a} A[n, o, a] e[n, (i,) o, a]``.
+
+    Accumulated one batch slice at a time: XLA's CPU reductions over a major axis
+    of a large array are an order of magnitude slower than this loop, which reads
+    the trace once.
+    """
+
+    def add(n: Any, acc: Array) -> Array:
+        a = A[n][None] if has_input else A[n]
+        return acc + jnp.sum(a * e[n], axis=-1)
+
+    init = jnp.zeros(e.shape[1:-1], jnp.result_type(A, e))
+    return jax.lax.fori_loop(0, e.shape[0], add, vary_tree(init, A, e))
+
+
 # --- per-step ----------------------------------------------------------------------------
 
 
@@ -93,16 +119,10 @@ def _fused_update(slot: Slot, eps: Trace, x: Array | None, df: Array, D: Array) 
     for k in slot.keys:
         e = _canon_trace(slot, k, eps[k])
         u = us[k]
-        if slot.num_state == 1:
-            d = Dc[..., 0, 0]
-            if u is None:
-                new = d[..., None] * e + dfc
-            else:
-                new = d[:, None, :, None] * e + u[:, :, None, None] * dfc[:, None, :, :]
-        elif u is None:
-            new = jnp.einsum("noac,noc->noa", Dc, e) + dfc
+        if u is None:
+            new = _mix(Dc, e, False) + dfc
         else:
-            new = jnp.einsum("noac,nioc->nioa", Dc, e) + u[:, :, None, None] * dfc[:, None]
+            new = _mix(Dc, e, True) + u[:, :, None, None] * dfc[:, None]
         out[k] = new.reshape(eps[k].shape)
     return out
 
@@ -152,10 +172,7 @@ def drtrl_solve(slot: Slot, eps: Trace, L: Array, weights: Mapping[str, Array]) 
         out = {}
         for k in slot.keys:
             e = _canon_trace(slot, k, eps[k])
-            if slot.inputs[k] is None:
-                g = jnp.einsum("noa,noa->o", Lc, e)
-            else:
-                g = jnp.einsum("noa,nioa->io", Lc, e)
+            g = _weigh(Lc, e, slot.inputs[k] is not None)
             out[k] = g.reshape(_weight_shape(slot, k))
         return out
     rules = slot.rules
@@ -240,11 +257,11 @@ def drtrl_chunk(
         e0 = _canon_trace(slot, k, eps[k])
         u = None if us is None else us[k]
         if u is None:
-            g = jnp.einsum("noa,noa->o", A, e0) + jnp.sum(W, axis=(0, 1))
-            eK = jnp.einsum("noac,noc->noa", P, e0) + jnp.sum(R, axis=0)
+            g = _weigh(A, e0, False) + jnp.sum(W, axis=(0, 1))
+            eK = _mix(P, e0, False) + jnp.sum(R, axis=0)
         else:
-            g = jnp.einsum("noa,nioa->io", A, e0) + jnp.einsum("kni,kno->io", u, W)
-            eK = jnp.einsum("noac,nioc->nioa", P, e0) + jnp.einsum("kni,knoa->nioa", u, R)
+            g = _weigh(A, e0, True) + jnp.einsum("kni,kno->io", u, W)
+            eK = _mix(P, e0, True) + jnp.einsum("kni,knoa->nioa", u, R)
         grads[k] = g.reshape(_weight_shape(slot, k))
         new_eps[k] = eK.reshape(eps[k].shape).astype(eps[k].dtype)
     del K
