@@ -105,7 +105,8 @@ def _weigh(A: Array, e: Array, has_input: bool) -> Array:
         return acc + jnp.sum(a * e[n], axis=-1)
 
     init = jnp.zeros(e.shape[1:-1], jnp.result_type(A, e))
-    return jax.lax.fori_loop(0, e.shape[0], add, vary_tree(init, A, e))
+    total: Array = jax.lax.fori_loop(0, e.shape[0], add, vary_tree(init, A, e))
+    return total
 
 
 # --- per-step ----------------------------------------------------------------------------
