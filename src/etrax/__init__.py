@@ -37,8 +37,10 @@ from .algorithms import (
     ESDRTRL,
     EProp,
     OnlineAlgorithm,
+    OnlineLearner,
     PPProp,
     bptt_grad,
+    compile,
     online_grad,
 )
 from .compiler import (
@@ -135,6 +137,7 @@ __all__ = [
     "MultiStepData",
     "NotSupportedError",
     "OnlineAlgorithm",
+    "OnlineLearner",
     "PPProp",
     "ParamStateWriteError",
     "PathDict",
@@ -150,6 +153,7 @@ __all__ = [
     "add_hidden_perturbation_from_minfo",
     "add_hidden_perturbation_in_module",
     "bptt_grad",
+    "compile",
     "compile_etrace_graph",
     "compose",
     "element_wise",

@@ -7,12 +7,14 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m etrax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="compile the bundled example models and show their graphs")
+    demo = sub.add_parser("demo", help="train small networks online and show it")
+    demo.add_argument("--out", default=".", help="folder for the learning-curve PNG")
+    demo.add_argument("--quick", action="store_true", help="a few iterations only (smoke test)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ._demo import run_demo
 
-        run_demo()
+        run_demo(args.out, quick=args.quick)
     return 0
 
 

@@ -3,6 +3,7 @@
 from ._base import EffGrads, OnlineAlgorithm
 from ._drivers import bptt_grad, online_grad
 from ._drtrl import DRTRL, DRTRLTraces, EProp, EPropTraces
+from ._learner import OnlineLearner, compile
 from ._pp import ESDRTRL, PPProp, PPTraces
 from ._weights import operand_values, operands_to_params
 
@@ -14,9 +15,11 @@ __all__ = [
     "EPropTraces",
     "EffGrads",
     "OnlineAlgorithm",
+    "OnlineLearner",
     "PPProp",
     "PPTraces",
     "bptt_grad",
+    "compile",
     "online_grad",
     "operand_values",
     "operands_to_params",

@@ -1,0 +1,175 @@
+"""`etrax.compile`: a brainstate-facing online learner (a thin facade).
+
+It owns the compiled graph, the algorithm and the current traces; every
+computation goes through the pure `online_grad` / `bptt_grad`. Hidden states live
+in the model (read before, written after each call); traces live in the learner.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import brainstate
+
+from .._pathdict import PathDict
+from .._typing import Path, PyTree
+from ..compiler import CompilationReport, ETraceGraph, compile_etrace_graph
+from ..executor import ModelState, state_of
+from ..executor._state import write_back
+from ._base import OnlineAlgorithm, check_relations
+from ._drivers import LossFn, bptt_grad, online_grad
+from ._drtrl import DRTRL, EProp
+from ._pp import PPProp
+
+__all__ = ["OnlineLearner", "compile"]
+
+_NAMES: dict[str, Callable[[], OnlineAlgorithm]] = {
+    "d_rtrl": DRTRL,
+    "drtrl": DRTRL,
+    "pp_prop": PPProp,
+    "es_d_rtrl": PPProp,
+    "esd_rtrl": PPProp,
+    "esdrtrl": PPProp,
+    "eprop": EProp,
+    "e_prop": EProp,
+}
+
+
+def _algorithm(algorithm: OnlineAlgorithm | str | type[OnlineAlgorithm]) -> OnlineAlgorithm:
+    if isinstance(algorithm, OnlineAlgorithm):
+        return algorithm
+    if isinstance(algorithm, str):
+        factory = _NAMES.get(algorithm.lower().replace("-", "_"))
+        if factory is None:
+            raise ValueError(
+                f"unknown algorithm {algorithm!r}; use one of {sorted(_NAMES)} or an instance "
+                "such as etrax.PPProp(decay=0.9)"
+            )
+        return factory()
+    if isinstance(algorithm, type):
+        return algorithm()
+    raise TypeError(
+        f"algorithm must be an etrax.OnlineAlgorithm instance, class or name, got {algorithm!r}"
+    )
+
+
+class OnlineLearner:
+    """Trains a brainstate model online; built by `etrax.compile`.
+
+    !!! Example
+
+        ```python
+        learner = etrax.compile(model, etrax.DRTRL(), x0, batch_size=32)
+        for xs, ys in batches:
+            learner.reset()                       # fresh hidden states and traces
+            grads, losses = learner.etrace_grad(xs, ys, loss_fn, return_value=True)
+            updates, opt_state = opt.update(grads, opt_state, learner.params)
+            learner.params = optax.apply_updates(learner.params, updates)
+        ```
+    """
+
+    def __init__(
+        self,
+        model: brainstate.nn.Module,
+        algorithm: OnlineAlgorithm,
+        graph: ETraceGraph,
+        batch_size: int | None,
+    ) -> None:
+        self.model = model
+        self.algorithm = algorithm
+        self.graph = graph
+        self.batch_size = batch_size
+        self.traces: PyTree = algorithm.init(graph, state_of(graph))
+
+    @property
+    def state(self) -> ModelState:
+        """The model's current state values."""
+        return state_of(self.graph)
+
+    @property
+    def params(self) -> PathDict[PyTree]:
+        """The current parameter values (a `PathDict` in the graph's order)."""
+        return self.state.params
+
+    @params.setter
+    def params(self, values: PyTree) -> None:
+        refs = dict(
+            zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
+        )
+        for path in self.state.params:
+            refs[path].value = values[path]
+
+    def reset(self, batch_size: int | None = None) -> None:
+        """Reset the model's hidden states and the traces (between sequences)."""
+        size = self.batch_size if batch_size is None else batch_size
+        brainstate.nn.reset_all_states(self.model, batch_size=size)
+        self.traces = self.algorithm.init(self.graph, state_of(self.graph))
+
+    def etrace_grad(
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: LossFn | None = None,
+        *,
+        step_fn: LossFn | None = None,
+        window: int | None = None,
+        return_value: bool = False,
+    ) -> Any:
+        """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over one sequence.
+
+        The model's hidden states and the learner's traces carry over from the
+        previous call (call `reset` between independent sequences).
+
+        **Arguments:**
+
+        - `xs`, `ys`: inputs and targets with a leading time axis.
+        - `loss_fn` (or `step_fn`): ``loss(y_t, target_t) -> scalar``.
+        - `window`: optional truncation window (see `etrax.online_grad`).
+        - `return_value`: also return the per-step losses.
+
+        **Returns:** the gradients (a `PathDict` like `params`), or ``(grads, losses)``.
+        """
+        fn = loss_fn if loss_fn is not None else step_fn
+        if fn is None:
+            raise TypeError("etrace_grad needs loss_fn(y_t, target_t) -> scalar")
+        grads, aux = online_grad(
+            self.graph, self.algorithm, state_of(self.graph), self.traces, xs, ys, fn, window=window
+        )
+        write_back(self.graph, aux["state"])
+        self.traces = aux["traces"]
+        return (grads, aux["losses"]) if return_value else grads
+
+    def bptt_grad(self, xs: Any, ys: Any, loss_fn: LossFn, *, return_value: bool = False) -> Any:
+        """The exact BPTT gradient from the current state (hidden states are advanced)."""
+        grads, aux = bptt_grad(self.graph, state_of(self.graph), xs, ys, loss_fn)
+        write_back(self.graph, aux["state"])
+        return (grads, aux["losses"]) if return_value else grads
+
+    def report(self) -> CompilationReport:
+        return CompilationReport(self.graph)
+
+    def weight_rules(self) -> dict[Path, Any]:
+        """How each parameter learns (traced or instantaneous), and why."""
+        return self.graph.weight_rules()
+
+
+def compile(
+    model: brainstate.nn.Module,
+    algorithm: OnlineAlgorithm | str | type[OnlineAlgorithm],
+    *example_inputs: Any,
+    batch_size: int | None = None,
+) -> OnlineLearner:
+    """Initialise a model's states, compile its graph and return an `OnlineLearner`.
+
+    **Arguments:**
+
+    - `model`: a `brainstate.nn.Module` whose ``update`` does one step.
+    - `algorithm`: an `OnlineAlgorithm` (``etrax.DRTRL()``, ``etrax.PPProp(0.9)``, ...),
+      its class, or a name (``"d_rtrl"``, ``"pp_prop"``, ``"eprop"``).
+    - `*example_inputs`: one step's inputs (batched if `batch_size` is given).
+    - `batch_size`: batch size the model's states are created with.
+    """
+    algo = _algorithm(algorithm)
+    brainstate.nn.init_all_states(model, batch_size=batch_size)
+    graph = compile_etrace_graph(model, *example_inputs)
+    check_relations(graph, type(algo).__name__)
+    return OnlineLearner(model, algo, graph, batch_size)
