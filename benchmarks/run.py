@@ -5,9 +5,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import bench_executor
+from benchmarks import bench_executor, bench_online
 
-SUITES = {"executor": bench_executor.run}
+SUITES = {"executor": bench_executor.run, "online": bench_online.run}
 
 
 def main(argv: list[str]) -> int:

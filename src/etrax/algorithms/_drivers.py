@@ -107,6 +107,28 @@ def _add(a: Any, b: Any) -> Any:
 # --- online, per step or chunked ------------------------------------------------------------
 
 
+def _scan_blocks(
+    body: Callable[[Any, Any], Any], carry: Any, seq: Any, K: int, T: int
+) -> tuple[Any, Array]:
+    """Run `body` over consecutive blocks of `K` steps of `seq` (the last block may be
+    shorter). Blocks are sliced inside the loop, so the sequence is never copied."""
+    n_full, rem = divmod(T, K)
+    parts = []
+    if n_full:
+
+        def block(c: Any, i: Array) -> Any:
+            piece = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * K, K, axis=0), seq)
+            return body(c, piece)
+
+        carry, losses = jax.lax.scan(block, carry, jnp.arange(n_full))
+        parts.append(losses.reshape(n_full * K))
+    if rem:
+        tail = jax.tree.map(lambda a: a[n_full * K :], seq)
+        carry, losses_rem = body(carry, tail)
+        parts.append(losses_rem)
+    return carry, jnp.concatenate(parts)
+
+
 def _online_impl(
     graph: ETraceGraph,
     loss_fn: LossFn,
@@ -159,21 +181,9 @@ def _online_impl(
             tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
             return (st, tr, add_eff(acc_eff, g), acc_pi, acc_sub), loss
 
-        n_full, rem = divmod(T, K)
         carry = vary_tree((state, traces, zeros, _zero_pi(state, pi_paths), zeros), state, xs)
-        parts = []
-        if n_full:
-            head = jax.tree.map(
-                lambda a: a[: n_full * K].reshape(n_full, K, *a.shape[1:]), (xs, targets)
-            )
-            carry, losses_full = jax.lax.scan(chunk_body, carry, head)
-            parts.append(losses_full.reshape(n_full * K))
-        if rem:
-            tail = jax.tree.map(lambda a: a[n_full * K :], (xs, targets))
-            carry, losses_rem = chunk_body(carry, tail)
-            parts.append(losses_rem)
+        carry, losses = _scan_blocks(chunk_body, carry, (xs, targets), K, T)
         state, traces, acc_eff, acc_pi, acc_sub = carry
-        losses = jnp.concatenate(parts)
     grads = _finish(graph, state.params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
     return grads, {"losses": losses, "state": state, "traces": traces}
 
@@ -222,25 +232,14 @@ def _window_impl(
         return (s_end, tr, acc_eff, _add(acc_params, g_params)), losses
 
     del hidden_paths
-    n_full, rem = divmod(T, window)
     carry = vary_tree(
         (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params)), state, xs
     )
-    parts = []
-    if n_full:
-        head = jax.tree.map(
-            lambda a: a[: n_full * window].reshape(n_full, window, *a.shape[1:]), (xs, targets)
-        )
-        carry, losses_full = jax.lax.scan(run_window, carry, head)
-        parts.append(losses_full.reshape(n_full * window))
-    if rem:
-        tail = jax.tree.map(lambda a: a[n_full * window :], (xs, targets))
-        carry, losses_rem = run_window(carry, tail)
-        parts.append(losses_rem)
+    carry, losses = _scan_blocks(run_window, carry, (xs, targets), window, T)
     state, traces, acc_eff, acc_params = carry
     traced = operands_to_params(graph, acc_eff, state.params, weights)
     grads = add_param_grads(traced, acc_params)
-    return grads, {"losses": jnp.concatenate(parts), "state": state, "traces": traces}
+    return grads, {"losses": losses, "state": state, "traces": traces}
 
 
 _online_jit = jax.jit(_online_impl, static_argnums=(0, 1, 2))

@@ -54,17 +54,23 @@ class PPProp(OnlineAlgorithm):
     **Arguments:**
 
     - `decay`: ``a`` in ``[0, 1)``; an integer rank ``r ≥ 1`` means ``a = (r − 1)/(r + 1)``.
+    - `chunk_steps`: steps whose gradient contractions run as one stacked product
+      (``1``: per step). Equal results; on CPU the stacked form rarely pays off.
     """
 
     decay: float = eqx.field(static=True, default=0.9, converter=_decay_from)
+    chunk_steps: int = eqx.field(static=True, default=1)
 
     def __check_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"PPProp: decay must be in [0, 1), got {self.decay}")
+        steps: object = self.chunk_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"PPProp: chunk_steps must be a positive int, got {steps!r}")
 
     @property
     def chunk_size(self) -> int:
-        return 1
+        return self.chunk_steps
 
     def init(self, graph: ETraceGraph, state: ModelState) -> PPTraces:
         check_relations(graph, "PPProp")
@@ -99,8 +105,33 @@ class PPProp(OnlineAlgorithm):
         for slot, ef in zip(plan.slots, traces.f, strict=True):
             D = jac.D[slot.group]
             df = jac.df[slot.relation][slot.tail]
-            fs.append(a * jnp.einsum("...ac,...c->...a", D, ef) + (1.0 - a) * df)
+            if slot.num_state == 1:
+                mixed = D[..., 0] * ef
+            else:
+                mixed = jnp.sum(D * ef[..., None, :], axis=-1)
+            fs.append(a * mixed + (1.0 - a) * df)
         return PPTraces(tuple(xs), tuple(fs), traces.count + 1)
+
+    def _signal(self, traces: PPTraces, k: int, L: Array) -> Array:
+        """``Σ_a ε_f[a] L[a] / c`` for slot ``k``, with the bias correction ``c``."""
+        ef = traces.f[k]
+        n = jnp.maximum(traces.count, 1).astype(ef.dtype)
+        correction = 1.0 - jnp.asarray(self.decay, ef.dtype) ** n
+        return jnp.sum(ef * L, axis=-1) / jnp.maximum(correction, 1e-12)
+
+    def _slot_grads(
+        self, traces: PPTraces, k: int, slot: Any, L: Array, weights: Weights
+    ) -> dict[str, Array]:
+        m = self._signal(traces, k, L)
+        ex = traces.x[slot.relation]
+        rules = slot.rules
+        w = weights[slot.relation]
+
+        def one(sig: Array) -> Any:
+            return rules.contract(ex, sig, w, slot.params)
+
+        out: dict[str, Array] = map_extra(slot, one, (m,), reduce=True)
+        return out
 
     def eff_grads(
         self,
@@ -111,24 +142,12 @@ class PPProp(OnlineAlgorithm):
     ) -> EffGrads:
         plan = plan_of(graph)
         ws = weights if weights is not None else [{} for _ in graph.hidden_param_op_relations]
-        a = self.decay
         out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
-        for slot, ef in zip(plan.slots, traces.f, strict=True):
-            L = dl_dh[slot.group]
-            n = jnp.maximum(traces.count, 1).astype(ef.dtype)
-            correction = 1.0 - jnp.asarray(a, ef.dtype) ** n
-            m = jnp.sum(ef * L, axis=-1) / jnp.maximum(correction, 1e-12)
-            ex = traces.x[slot.relation]
-            rules = slot.rules
-            w = ws[slot.relation]
-
-            def one(sig: Array, _ex: Any = ex, _r: Any = rules, _w: Any = w, _s: Any = slot) -> Any:
-                return _r.contract(_ex, sig, _w, _s.params)
-
-            g = map_extra(slot, one, (m,), reduce=True)
+        for k, slot in enumerate(plan.slots):
+            g = self._slot_grads(traces, k, slot, dl_dh[slot.group], ws)
             acc = out[slot.relation]
-            for k, v in g.items():
-                acc[k] = acc[k] + v if k in acc else v
+            for key, v in g.items():
+                acc[key] = acc[key] + v if key in acc else v
         return tuple(out)
 
     def chunk(
@@ -140,11 +159,62 @@ class PPProp(OnlineAlgorithm):
         weights: Weights,
         olds: Sequence[Array] | None = None,
     ) -> tuple[PPTraces, EffGrads]:
+        """K steps at once: the traces advance step by step, but the contractions
+        of factorised slots run as one matrix product over the stacked steps (the
+        same sum, with K times more rows per product)."""
         dtype = traces.f[0].dtype
-        out: tuple[PPTraces, EffGrads] = scan_chunk(
-            self, graph, traces, jacs, signals, weights, dtype, olds
-        )
-        return out
+        plan = plan_of(graph)
+        fast = [s.factorized and not s.extra for s in plan.slots]
+        if olds is not None or not any(fast):
+            out: tuple[PPTraces, EffGrads] = scan_chunk(
+                self, graph, traces, jacs, signals, weights, dtype, olds
+            )
+            return out
+
+        def body(tr: PPTraces, inp: Any) -> Any:
+            jac, sig = inp
+            tr = self.update(graph, tr, jac, weights)
+            ms = [
+                self._signal(tr, k, sig[s.group]) if fast[k] else None
+                for k, s in enumerate(plan.slots)
+            ]
+            slow = [  # the other slots' gradients, step by step
+                None if fast[k] else self._slot_grads(tr, k, s, sig[s.group], weights)
+                for k, s in enumerate(plan.slots)
+            ]
+            return tr, (ms, tr.x, slow)
+
+        traces, (ms, xs, slow) = jax.lax.scan(body, traces, (jacs, tuple(signals)))
+        grads: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+        for k, slot in enumerate(plan.slots):
+            if fast[k]:
+                g = _stacked_contract(slot, xs[slot.relation], ms[k])
+            else:  # its per-step gradients, summed over the chunk
+                g = {key: jnp.sum(v, axis=0) for key, v in slow[k].items()}
+            acc = grads[slot.relation]
+            for key, v in g.items():
+                acc[key] = acc[key] + v if key in acc else v
+        return traces, tuple(grads)
+
+
+def _stacked_contract(slot: Any, xs: Array | None, ms: Array) -> dict[str, Array]:
+    """``Σ_k contract(x_k, m_k)`` for a factorised slot, as one product over steps."""
+    assert slot.rules.factor is not None
+    K = ms.shape[0]
+    fac = slot.rules.factor(None if xs is None else xs[0], slot.params)
+    out: dict[str, Array] = {}
+    cot = ms.reshape(-1, slot.out)  # (K · op batch, O)
+    for key in slot.keys:
+        shape = tuple(slot.weight_structs[key].shape)
+        if fac.inputs[key] is None:
+            out[key] = jnp.sum(cot, axis=0).reshape(shape)
+        else:
+            assert xs is not None
+            u = jax.vmap(lambda v, k=key: slot.rules.factor(v, slot.params).inputs[k])(xs)
+            u = u.reshape(-1, u.shape[-1])  # (K · op batch, I)
+            out[key] = (u.T @ cot).reshape(shape)
+    del K
+    return out
 
 
 ESDRTRL = PPProp
