@@ -41,7 +41,7 @@ def zeros_eff(graph: ETraceGraph, dtype: Any) -> EffGrads:
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
     for slot in plan.slots:
         for k in slot.keys:
-            out[slot.relation][k] = jnp.zeros(slot.weight_structs[k].shape, dtype)
+            out[slot.relation][k] = jnp.zeros(slot.eff_shapes[k], dtype)
     return tuple(out)
 
 

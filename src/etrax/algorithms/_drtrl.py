@@ -102,7 +102,7 @@ def _chunk_eps(
                 acc = {k: acc[k] + gt[k] for k in acc}
                 return (tr, acc), None
 
-            zero = {k: jnp.zeros(slot.weight_structs[k].shape, df.dtype) for k in slot.keys}
+            zero = {k: jnp.zeros(slot.eff_shapes[k], df.dtype) for k in slot.keys}
             (e_new, g), _ = jax.lax.scan(body, (e, zero), (x, df, D, L, N))
         new.append(e_new)
         acc = out[slot.relation]

@@ -163,7 +163,7 @@ def drtrl_update(
 
 
 def _weight_shape(slot: Slot, key: str) -> tuple[int, ...]:
-    return tuple(slot.weight_structs[key].shape)
+    return tuple(slot.eff_shapes[key])
 
 
 def drtrl_solve(slot: Slot, eps: Trace, L: Array, weights: Mapping[str, Array]) -> Trace:

@@ -42,7 +42,6 @@ class Slot:
         self.extra: Shape = tuple(group.varshape[: tail.broadcast_ndim])
         self.y_shape: Shape = rel.y_shape
         self.x_shape: Shape | None = rel.x_shape
-        self.keys: tuple[str, ...] = tuple(t.key for t in rel.trainables)
         self.params: Mapping[str, Any] = rel.params
         self.dtype = np.dtype(rel.dtype)
         weights = {
@@ -57,6 +56,10 @@ class Slot:
         )
         y_struct = shape_struct(rel.y_shape, rel.dtype)
         shapes = rules.param_trace_shapes(x_struct, y_struct, weights, rel.params)
+        self.eff_shapes: dict[str, Shape] = rules.effective_shapes(weights, rel.params)
+        # trace keys: what the rules trace for the operands that are trained (usually
+        # the trainable keys; a constant bias is not traced)
+        self.keys: tuple[str, ...] = tuple(k_ for k_ in shapes if k_ in self.eff_shapes)
         self.trace_shapes: dict[str, Shape] = {k_: tuple(shapes[k_]) for k_ in self.keys}
         self.factorized = rules.factor is not None
         self.batch_ndim = 0

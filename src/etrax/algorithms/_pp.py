@@ -205,7 +205,7 @@ def _stacked_contract(slot: Any, xs: Array | None, ms: Array) -> dict[str, Array
     out: dict[str, Array] = {}
     cot = ms.reshape(-1, slot.out)  # (K · op batch, O)
     for key in slot.keys:
-        shape = tuple(slot.weight_structs[key].shape)
+        shape = tuple(slot.eff_shapes[key])
         if fac.inputs[key] is None:
             out[key] = jnp.sum(cot, axis=0).reshape(shape)
         else:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._compat import Primitive, define_primitive
+from .._compat import Primitive, define_primitive, shape_struct
 from .._typing import Params, Shape
 from ._util import sum_leading
 
@@ -90,6 +90,13 @@ class TraceShapeRule(Protocol):
 
 
 @runtime_checkable
+class EffectiveShapeRule(Protocol):
+    def __call__(
+        self, weights: Mapping[str, jax.ShapeDtypeStruct], params: Params, /
+    ) -> dict[str, Shape]: ...
+
+
+@runtime_checkable
 class InputReprRule(Protocol):
     def __call__(self, x: Array, weights: Mapping[str, Array], params: Params, /) -> Array: ...
 
@@ -142,6 +149,10 @@ class ETPRules(eqx.Module):
     - `chain`: ``(grads, weights, params) -> grads``: effective to raw operands (the
       VJP of any ``weight_fn``). Default: identity.
     - `factor`: optional ``(x, params) -> Factorization`` enabling fused kernels.
+    - `effective_shapes`: ``(weights, params) -> {key: shape}`` of the effective
+      operands the traces describe, keyed like the traces. Default: the trainable
+      operands themselves. An op may trace one effective operand for several raw
+      ones (LoRA traces ``W = α·B·A``); `chain` maps back to the raw keys.
     - `input_repr`: what an input trace low-pass filters (default: ``x`` itself).
 
     `weight_grad` (``chain ∘ contract``) must equal `jax.vjp` of the op with respect
@@ -155,7 +166,16 @@ class ETPRules(eqx.Module):
     contract_rule: ContractRule | None = None
     chain_rule: ChainRule | None = None
     factor: FactorRule | None = None
+    effective_shape_rule: EffectiveShapeRule | None = None
     input_repr: InputReprRule = _identity_input
+
+    def effective_shapes(
+        self, weights: Mapping[str, jax.ShapeDtypeStruct], params: Params
+    ) -> dict[str, Shape]:
+        """Shapes of the effective operands, keyed like the traces."""
+        if self.effective_shape_rule is not None:
+            return {k: tuple(v) for k, v in self.effective_shape_rule(weights, params).items()}
+        return {k: tuple(v.shape) for k, v in weights.items()}
 
     def solve(
         self,
@@ -168,7 +188,9 @@ class ETPRules(eqx.Module):
         if self.solve_rule is not None:
             return self.solve_rule(signal, trace, weights, params)
         scaled = self.scale(signal, trace, params)
-        return {k: sum_leading(v, jnp.ndim(weights[k])) for k, v in scaled.items()}
+        structs = {k: shape_struct(jnp.shape(v), jnp.result_type(v)) for k, v in weights.items()}
+        shapes = self.effective_shapes(structs, params)
+        return {k: sum_leading(v, len(shapes[k])) for k, v in scaled.items()}
 
     def contract(
         self, x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
