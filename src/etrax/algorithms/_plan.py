@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._compat import shape_struct
+from .._compat import shape_struct, struct_of
 from .._errors import CompilationError
 from .._typing import Path, Shape
 from ..compiler import ETraceGraph, HiddenParamOpRelation, WeightRule
@@ -87,6 +87,10 @@ class Plan:
             Slot(graph, table, rel, k)
             for rel in graph.hidden_param_op_relations
             for k in range(len(rel.tails))
+        )
+        self.x_structs: tuple[Any, ...] = tuple(
+            None if rel.x_var is None else struct_of(table.var(rel.x_var))
+            for rel in graph.hidden_param_op_relations
         )
         rules = graph.weight_rules()
         traced_routes = {

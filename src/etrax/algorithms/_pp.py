@@ -78,8 +78,15 @@ class PPProp(OnlineAlgorithm):
         dtype = jnp.result_type(*leaves) if leaves else jnp.float32
         plan = plan_of(graph)
         xs: list[Array | None] = []
-        for rel in graph.hidden_param_op_relations:
-            xs.append(None if rel.x_shape is None else jnp.zeros(rel.x_shape, dtype))
+        for rel, x_struct in zip(graph.hidden_param_op_relations, plan.x_structs, strict=True):
+            rules = rel.spec.rules
+            if x_struct is None or rules is None:
+                xs.append(None)
+                continue
+            shape = jax.eval_shape(
+                lambda v, r=rules, p=rel.params: r.input_repr(v, {}, p), x_struct
+            )
+            xs.append(jnp.zeros(shape.shape, dtype))
         fs = tuple(jnp.zeros((*s.varshape, s.num_state), dtype) for s in plan.slots)
         return PPTraces(tuple(xs), fs, jnp.zeros((), jnp.int32))
 
