@@ -1,6 +1,7 @@
 """Spiking neurons: leaky integrate-and-fire with soft reset, with and without adaptation."""
 
 import math
+import operator
 
 import brainstate
 import jax
@@ -19,6 +20,13 @@ def _check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be positive, got {v}")
 
 
+def _shape_of(size: int | tuple[int, ...]) -> tuple[int, ...]:
+    shape = tuple(operator.index(n) for n in ((size,) if isinstance(size, int) else size))
+    if not shape or any(n <= 0 for n in shape):
+        raise ValueError(f"size must be a positive int or a tuple of positive ints, got {size!r}")
+    return shape
+
+
 class LIF(brainstate.nn.Module):
     r"""Leaky integrate-and-fire neurons with soft reset.
 
@@ -28,7 +36,8 @@ class LIF(brainstate.nn.Module):
 
     **Arguments:**
 
-    - `size`: number of neurons.
+    - `size`: number of neurons, or the per-sample shape of the population (e.g.
+        ``(positions, channels)`` behind a convolution).
     - `tau`, `dt`: membrane time constant and step (same unit); `R`: resistance.
     - `v_th`, `v_reset`: threshold and reset potential.
     - `surrogate`: the spike's pseudo-derivative (default `ReluGrad()`).
@@ -37,7 +46,7 @@ class LIF(brainstate.nn.Module):
 
     def __init__(
         self,
-        size: int,
+        size: int | tuple[int, ...],
         tau: float = 20.0,
         dt: float = 1.0,
         R: float = 1.0,
@@ -48,12 +57,12 @@ class LIF(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        _check_positive(size=size, tau=tau, dt=dt)
+        _check_positive(tau=tau, dt=dt)
         if not v_th > v_reset:
             raise ValueError(f"v_th ({v_th}) must be above v_reset ({v_reset})")
-        self.size = size
-        self.in_size = (size,)
-        self.out_size = (size,)
+        self.size = _shape_of(size)
+        self.in_size = self.size
+        self.out_size = self.size
         self.alpha = math.exp(-dt / tau)
         self.R = R
         self.v_th = v_th
@@ -68,7 +77,7 @@ class LIF(brainstate.nn.Module):
         self.V.value = self._rest(batch_size)
 
     def _rest(self, batch_size: int | None) -> Array:
-        zero = init_param(brainstate.nn.init.ZeroInit(), (self.size,), batch_size)
+        zero = init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
         return zero + self.v_reset
 
     def _spike(self, v: Array) -> Array:
@@ -93,12 +102,13 @@ class ALIF(brainstate.nn.Module):
 
     ``V ← α V + (1 − α) R I − (V_th − V_reset) s^{t−1}``, ``a ← ρ a + s^{t−1}``,
     ``s^t = H((V − V_th − β a)/(V_th − V_reset))`` with ``ρ = e^{−dt/τ_a}``. ``V`` and
-    ``a`` form one hidden group with two states per neuron.
+    ``a`` form one hidden group with two states per neuron. Arguments as `LIF`, plus
+    `tau_a` (adaptation time constant) and `beta` (adaptation strength).
     """
 
     def __init__(
         self,
-        size: int,
+        size: int | tuple[int, ...],
         tau: float = 20.0,
         tau_a: float = 200.0,
         beta: float = 0.1,
@@ -111,12 +121,12 @@ class ALIF(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        _check_positive(size=size, tau=tau, tau_a=tau_a, dt=dt)
+        _check_positive(tau=tau, tau_a=tau_a, dt=dt)
         if not v_th > v_reset:
             raise ValueError(f"v_th ({v_th}) must be above v_reset ({v_reset})")
-        self.size = size
-        self.in_size = (size,)
-        self.out_size = (size,)
+        self.size = _shape_of(size)
+        self.in_size = self.size
+        self.out_size = self.size
         self.alpha = math.exp(-dt / tau)
         self.rho = math.exp(-dt / tau_a)
         self.beta = beta
@@ -127,12 +137,12 @@ class ALIF(brainstate.nn.Module):
         self.detach_reset = detach_reset
 
     def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        zero = init_param(brainstate.nn.init.ZeroInit(), (self.size,), batch_size)
+        zero = init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
         self.V = brainstate.HiddenState(zero + self.v_reset)
         self.a = brainstate.HiddenState(zero)
 
     def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        zero = init_param(brainstate.nn.init.ZeroInit(), (self.size,), batch_size)
+        zero = init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
         self.V.value = zero + self.v_reset
         self.a.value = zero
 

@@ -1,0 +1,234 @@
+"""Layers built on the op zoo: convolutions, sparse, grouped and low-rank linear
+maps, and embeddings."""
+
+import brainstate
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike
+
+from ..ops import SparsePattern, conv, embedding, grouped_matmul, lora_matmul, sparse_matmul
+from ._common import Initializer, init_param
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "Embedding", "GroupedLinear", "LoRA", "SparseLinear"]
+
+
+def _int_tuple(value: int | tuple[int, ...], n: int, name: str) -> tuple[int, ...]:
+    out = (value,) * n if isinstance(value, int) else tuple(int(v) for v in value)
+    if len(out) != n or any(v < 1 for v in out):
+        raise ValueError(f"{name} must be a positive int or {n} positive ints, got {value!r}")
+    return out
+
+
+class _ConvNd(brainstate.nn.Module):
+    """Shared implementation of `Conv1d`/`Conv2d`/`Conv3d` (not public)."""
+
+    spatial: int = 0
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: str = "SAME",
+        dilation: int | tuple[int, ...] = 1,
+        w_init: Initializer = None,
+        b_init: Initializer = "zeros",
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        n = self.spatial
+        if in_channels < 1 or out_channels < 1:
+            raise ValueError("in_channels and out_channels must be positive")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.kernel_size = _int_tuple(kernel_size, n, "kernel_size")
+        self.stride = _int_tuple(stride, n, "stride")
+        self.dilation = _int_tuple(dilation, n, "dilation")
+        self.padding = padding
+        if w_init is None:
+            w_init = brainstate.nn.init.KaimingNormal()
+        params = {"weight": init_param(w_init, (*self.kernel_size, in_channels, out_channels))}
+        if b_init is not None:
+            if isinstance(b_init, str) and b_init == "zeros":
+                b_init = brainstate.nn.init.ZeroInit()
+            params["bias"] = init_param(b_init, (out_channels,))
+        self.weight = brainstate.ParamState(params)
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        if x.ndim != self.spatial + 2:
+            raise ValueError(
+                f"{type(self).__name__} expects (batch, *spatial, channels) with "
+                f"{self.spatial} spatial axes, got {x.shape}; add a batch axis with x[None]"
+            )
+        p = self.weight.value
+        return conv(
+            x,
+            p["weight"],
+            p.get("bias"),
+            strides=self.stride,
+            padding=self.padding,
+            rhs_dilation=self.dilation,
+        )
+
+
+class Conv1d(_ConvNd):
+    """1-D convolution on ``(batch, length, in_channels)`` (channel-last), traced
+    per output position. Kernel ``(kernel_size, in, out)``, bias ``(out,)``."""
+
+    spatial = 1
+
+
+class Conv2d(_ConvNd):
+    """2-D convolution on ``(batch, height, width, in_channels)``, traced per output
+    position. Kernel ``(kh, kw, in, out)``, bias ``(out,)``."""
+
+    spatial = 2
+
+
+class Conv3d(_ConvNd):
+    """3-D convolution on ``(batch, depth, height, width, in_channels)``, traced per
+    output position. Kernel ``(kd, kh, kw, in, out)``, bias ``(out,)``."""
+
+    spatial = 3
+
+
+class SparseLinear(brainstate.nn.Module):
+    """``y = x · S + b`` with a fixed sparsity pattern; only the stored values learn,
+    and their traces hold one entry per stored value.
+
+    **Arguments:**
+
+    - `in_size`, `out_size`: the dense shape of ``S``.
+    - `mask`: a boolean ``(in, out)`` mask of the stored entries, or `None` to draw
+      one with density `density` from `seed`.
+    """
+
+    def __init__(
+        self,
+        in_size: int,
+        out_size: int,
+        mask: ArrayLike | None = None,
+        density: float = 0.2,
+        seed: int = 0,
+        w_init: Initializer = None,
+        b_init: Initializer = "zeros",
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if mask is None:
+            if not 0.0 < density <= 1.0:
+                raise ValueError(f"density must be in (0, 1], got {density}")
+            mask = np.random.default_rng(seed).random((in_size, out_size)) < density
+        m = np.asarray(mask, dtype=bool)
+        if m.shape != (in_size, out_size):
+            raise ValueError(f"mask must be ({in_size}, {out_size}), got {m.shape}")
+        self.pattern = SparsePattern.from_mask(m)
+        if w_init is None:
+            w_init = brainstate.nn.init.Normal(
+                scale=float(np.sqrt(2.0 / max(1.0, m.sum(0).mean())))
+            )
+        params = {"weight": init_param(w_init, (self.pattern.nnz,))}
+        if b_init is not None:
+            if isinstance(b_init, str) and b_init == "zeros":
+                b_init = brainstate.nn.init.ZeroInit()
+            params["bias"] = init_param(b_init, (out_size,))
+        self.weight = brainstate.ParamState(params)
+        self.in_size = (in_size,)
+        self.out_size = (out_size,)
+
+    def update(self, x: ArrayLike) -> Array:
+        p = self.weight.value
+        return sparse_matmul(jnp.asarray(x), p["weight"], self.pattern, p.get("bias"))
+
+
+class GroupedLinear(brainstate.nn.Module):
+    """Block-diagonal linear map on ``(..., groups, in)`` → ``(..., groups, out)``."""
+
+    def __init__(
+        self,
+        groups: int,
+        in_size: int,
+        out_size: int,
+        w_init: Initializer = None,
+        b_init: Initializer = "zeros",
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if w_init is None:
+            w_init = brainstate.nn.init.KaimingNormal()
+        params = {"weight": init_param(w_init, (groups, in_size, out_size))}
+        if b_init is not None:
+            if isinstance(b_init, str) and b_init == "zeros":
+                b_init = brainstate.nn.init.ZeroInit()
+            params["bias"] = init_param(b_init, (groups, out_size))
+        self.weight = brainstate.ParamState(params)
+        self.in_size = (groups, in_size)
+        self.out_size = (groups, out_size)
+
+    def update(self, x: ArrayLike) -> Array:
+        p = self.weight.value
+        return grouped_matmul(jnp.asarray(x), p["weight"], p.get("bias"))
+
+
+class LoRA(brainstate.nn.Module):
+    """A low-rank linear map ``y = α · x · B · A`` (``B``: ``(in, rank)``, ``A``:
+    ``(rank, out)``), plus ``base(x)`` when a base module is given. ``A`` starts at
+    zero, so the map starts at zero. Traces follow the effective ``in × out`` weight.
+    """
+
+    def __init__(
+        self,
+        in_size: int,
+        rank: int,
+        out_size: int,
+        alpha: float | None = None,
+        base_module: brainstate.nn.Module | None = None,
+        b_init: Initializer = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if rank < 1:
+            raise ValueError(f"rank must be positive, got {rank}")
+        if b_init is None:
+            b_init = brainstate.nn.init.KaimingNormal()
+        self.alpha = 1.0 / rank if alpha is None else float(alpha)
+        self.weight = brainstate.ParamState(
+            {
+                "lora_b": init_param(b_init, (in_size, rank)),
+                "lora_a": init_param(brainstate.nn.init.ZeroInit(), (rank, out_size)),
+            }
+        )
+        self.base_module = base_module
+        self.in_size = (in_size,)
+        self.out_size = (out_size,)
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        p = self.weight.value
+        y = lora_matmul(x, p["lora_b"], p["lora_a"], alpha=self.alpha)
+        if self.base_module is not None:
+            y = y + self.base_module(x)
+        return y
+
+
+class Embedding(brainstate.nn.Module):
+    """A learnable lookup table ``(num_embeddings, embedding_dim)`` indexed by integers."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        w_init: Initializer = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name=name)
+        if w_init is None:
+            w_init = brainstate.nn.init.Normal()
+        self.weight = brainstate.ParamState(init_param(w_init, (num_embeddings, embedding_dim)))
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+
+    def update(self, indices: ArrayLike) -> Array:
+        return embedding(indices, self.weight.value)
