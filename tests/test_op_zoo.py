@@ -253,3 +253,17 @@ def test_grouped_conv_is_refused_by_online_algorithms() -> None:
         etrax.DRTRL().init(graph, state)
     grads, _ = etrax.bptt_grad(graph, state, x[None], jnp.zeros((1, 2, 6, 4)), _mse)
     assert grads[("k",)].shape == (3, 2, 4)
+
+
+def test_bind_refuses_primitives_that_are_not_etp_ops() -> None:
+    with pytest.raises(ValueError, match="not an ETP primitive"):
+        etrax.ops.bind(jax.lax.sin_p, jnp.ones(3))
+    y = etrax.ops.bind(
+        etrax.ops.matmul_p,
+        jnp.ones((2, 3)),
+        jnp.ones((3, 4)),
+        has_bias=False,
+        weight_fn=None,
+        bias_fn=None,
+    )
+    np.testing.assert_allclose(y, 3.0 * jnp.ones((2, 4)))

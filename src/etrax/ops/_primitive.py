@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._compat import Primitive, define_primitive, shape_struct
+from .._compat import bind as _bind
 from .._typing import Params, Shape
 from ._util import sum_leading
 
@@ -29,6 +30,7 @@ __all__ = [
     "ETPOpSpec",
     "ETPRules",
     "Factorization",
+    "bind",
     "etp_spec",
     "is_etp_primitive",
     "register_primitive",
@@ -280,8 +282,8 @@ def register_primitive(
     - `rules`: the op's `ETPRules` (may also be given later with `register_rules`).
     - `batch_rule`: a JAX batching rule ``(args, dims, **params) -> (out, out_dim)``.
 
-    **Returns:** the new `jax.extend.core.Primitive`; bind it with
-    ``prim.bind(*operands, **params)`` inside a model's ``update``.
+    **Returns:** the new `jax.extend.core.Primitive`; apply it with
+    ``etrax.ops.bind(prim, *operands, **params)`` inside a model's ``update``.
 
     !!! Example
 
@@ -327,6 +329,20 @@ def register_primitive(
         rules=rules,
     )
     return prim
+
+
+def bind(primitive: Primitive, *operands: Any, **params: Any) -> Array:
+    """Apply a (single-output) ETP primitive to its operands: a typed
+    ``primitive.bind(*operands, **params)``.
+
+    Use it inside a layer's ``update``; operands are converted with `jnp.asarray`.
+    """
+    if etp_spec(primitive) is None:
+        raise ValueError(
+            f"etrax.ops.bind: {primitive!r} is not an ETP primitive; create it with "
+            "etrax.register_primitive."
+        )
+    return _bind(primitive, *(jnp.asarray(op) for op in operands), **params)
 
 
 def register_rules(primitive: Primitive, rules: ETPRules) -> None:
