@@ -24,7 +24,7 @@ from jaxtyping import Array, ArrayLike
 from . import nn
 from .algorithms import DRTRL, OnlineAlgorithm, PPProp, bptt_grad, online_grad
 from .compiler import compile_etrace_graph
-from .executor import ModelState, state_of
+from .executor import ModelState, multi_step, state_of
 
 __all__ = ["run_demo"]
 
@@ -190,14 +190,7 @@ def _train(task: Task, method: str, seed: int, progress: Any) -> Result:
         for j in range(8):
             xs, ts = task.batch(jax.random.PRNGKey(10_000 + j))
             state = ModelState(params, start.hidden, start.other)
-
-            def body(s: ModelState, x: Array) -> Any:
-                from .executor._step import _forward_impl
-
-                y, s = _forward_impl(graph, s, (x,))
-                return s, y
-
-            _, ys = jax.lax.scan(body, state, xs)
+            ys, _, _ = multi_step(graph, state, xs)
             accs.append(float(task.accuracy(ys, ts)))
         result.accuracy = sum(accs) / len(accs)
     return result
@@ -271,8 +264,12 @@ def run_demo(out_dir: str = ".", quick: bool = False) -> Path:
                 f"{acc:>9s} {res.step_ms:8.3f} {res.peak_mib:9.2f}"
             )
     print()
+    if quick:
+        print("(--quick: too few iterations to judge learning; run without it to see training.)")
     for task_name, by_method in results.items():
         for method, r in by_method.items():
+            if quick:
+                break
             first = sum(r.losses[:5]) / len(r.losses[:5])
             final = sum(r.losses[-10:]) / len(r.losses[-10:])
             verdict = "learned" if final < 0.6 * first else "did NOT learn"
@@ -280,6 +277,7 @@ def run_demo(out_dir: str = ".", quick: bool = False) -> Path:
                 f"{method:8s} {verdict} on {task_name}: final loss is {100 * final / first:.0f}% "
                 "of the initial loss"
             )
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / "etrax_demo.png"
     _plot(results, path)
     print(f"Learning curves written to {path} ({time.perf_counter() - begin:.0f} s in total).")

@@ -201,7 +201,6 @@ def _window_impl(
     weights = operand_values(graph, state.params)
     T = jax.tree.leaves(xs)[0].shape[0]
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
-    hidden_paths = [p for g in graph.hidden_groups for p in g.hidden_paths]
 
     def run_window(carry: Any, inp: Any) -> Any:
         st, tr, acc_eff, acc_params = carry
@@ -231,7 +230,6 @@ def _window_impl(
         tr, _ = jax.lax.scan(advance, tr, jacs)
         return (s_end, tr, acc_eff, _add(acc_params, g_params)), losses
 
-    del hidden_paths
     carry = vary_tree(
         (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params)), state, xs
     )
@@ -343,7 +341,9 @@ def online_grad(
 
     **Arguments:**
 
-    - `graph`: the `ETraceGraph` (compiled with the hidden perturbation).
+    - `graph`: the `ETraceGraph`. Without `window` it must be compiled with the
+      hidden perturbation (the default), which supplies ``∂L_t/∂h^t``; with `window`
+      the signals come from reverse mode inside each window and it is not needed.
     - `algo`: an `OnlineAlgorithm` (`DRTRL`, `PPProp`, `EProp`).
     - `state`: the `ModelState` at the start of the sequence.
     - `traces`: the traces at the start (``algo.init(graph, state)``).
@@ -351,7 +351,8 @@ def online_grad(
     - `loss_fn`: ``loss_fn(y_t, target_t) -> scalar``, summed over steps. Pass the same
       function object on every call to avoid recompiling.
     - `window`: ``k`` for truncated windows: exact reverse mode inside each window of
-      ``k`` steps plus the traces for credit across windows.
+      ``k`` steps plus the traces for credit across windows. ``T`` need not be a
+      multiple of ``k`` (the last window is shorter).
 
     **Returns:** ``(grads, aux)``: `grads` is a `PathDict` shaped like
     ``state.params``; `aux` has ``losses`` ``(T,)``, the final ``state`` and ``traces``.

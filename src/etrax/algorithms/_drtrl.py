@@ -115,12 +115,15 @@ class DRTRL(OnlineAlgorithm):
     """Diagonal RTRL: a per-parameter trace ``ε ← D ε + x ⊗ df`` per (weight, group),
     contracted with ``∂L/∂h`` every step.
 
-    Exact (equal to BPTT) when every transition is position-diagonal and every tail
-    element-wise; otherwise the cross-position terms are dropped.
+    Exact (equal to BPTT) when every transition is position-diagonal, every tail
+    element-wise, and each weight reaches later steps only through the hidden group
+    it feeds (in a stacked network the upper layer's state also carries the lower
+    layer's weights forward); otherwise the cross-position and cross-group terms are
+    dropped.
 
     **Arguments:**
 
-    - `chunk`: steps the sequence driver re-associates into one fused update (the
+    - `chunk_steps`: steps the sequence driver re-associates into one fused update (the
       trace is read and written once per chunk; results equal the per-step form).
       ``1`` runs the per-step form.
     """

@@ -226,7 +226,6 @@ def drtrl_chunk(
     With `Ns` (signals on the *old* hidden values, ``Σ_k N_k ε_{k-1}``), step ``k``'s
     signal gains ``N_{k+1}`` and ``ε_0`` is contracted with ``N_0`` too.
     """
-    K = dfs.shape[0]
     S = slot.num_state
     dfc = jax.vmap(lambda a: _canon_out(slot, a, 1))(dfs)  # (K, NB, O, S)
     Dc = jax.vmap(lambda a: _canon_out(slot, a, 2))(Ds)  # (K, NB, O, S, S)
@@ -265,5 +264,4 @@ def drtrl_chunk(
             eK = _mix(P, e0, True) + jnp.einsum("kni,knoa->nioa", u, R)
         grads[k] = g.reshape(_weight_shape(slot, k))
         new_eps[k] = eK.reshape(eps[k].shape).astype(eps[k].dtype)
-    del K
     return new_eps, grads

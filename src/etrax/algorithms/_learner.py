@@ -99,7 +99,12 @@ class OnlineLearner:
             refs[path].value = values[path]
 
     def reset(self, batch_size: int | None = None) -> None:
-        """Reset the model's hidden states and the traces (between sequences)."""
+        """Reset the model's hidden states and the traces (between sequences).
+
+        `batch_size` defaults to the one given to `etrax.compile`. The graph was
+        compiled for that batch size: resetting to another one makes the next
+        `etrace_grad` raise a shape error (compile a new learner instead).
+        """
         size = self.batch_size if batch_size is None else batch_size
         brainstate.nn.reset_all_states(self.model, batch_size=size)
         self.traces = self.algorithm.init(self.graph, state_of(self.graph))
@@ -145,6 +150,7 @@ class OnlineLearner:
         return (grads, aux["losses"]) if return_value else grads
 
     def report(self) -> CompilationReport:
+        """The compilation report: hidden groups, relations and diagnostics."""
         return CompilationReport(self.graph)
 
     def weight_rules(self) -> dict[Path, Any]:

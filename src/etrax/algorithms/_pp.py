@@ -207,7 +207,6 @@ class PPProp(OnlineAlgorithm):
 def _stacked_contract(slot: Any, xs: Array | None, ms: Array) -> dict[str, Array]:
     """``Σ_k contract(x_k, m_k)`` for a factorised slot, as one product over steps."""
     assert slot.rules.factor is not None
-    K = ms.shape[0]
     fac = slot.rules.factor(None if xs is None else xs[0], slot.params)
     out: dict[str, Array] = {}
     cot = ms.reshape(-1, slot.out)  # (K · op batch, O)
@@ -220,7 +219,6 @@ def _stacked_contract(slot: Any, xs: Array | None, ms: Array) -> dict[str, Array
             u = jax.vmap(lambda v, k=key: slot.rules.factor(v, slot.params).inputs[k])(xs)
             u = u.reshape(-1, u.shape[-1])  # (K · op batch, I)
             out[key] = (u.T @ cot).reshape(shape)
-    del K
     return out
 
 

@@ -82,6 +82,7 @@ class _Executor(abc.ABC):
 
     @property
     def states(self) -> dict[Path, brainstate.State[Any]]:
+        """The model's `brainstate.State` objects by path."""
         return self.path_to_states
 
     def show_graph(self, verbose: bool = True, return_msg: bool = False) -> str | None:

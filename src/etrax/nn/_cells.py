@@ -17,7 +17,15 @@ __all__ = ["CFNCell", "LRUCell", "MiniLSTM", "MinimalRNNCell", "URLSTMCell"]
 
 
 class MiniLSTM(_Cell):
-    r"""Minimal LSTM: ``h ← σ(W_f [x; h]) ⊙ h + σ(W_i [x; h]) ⊙ W_x x``."""
+    r"""Minimal LSTM: ``h ← σ(W_f [x; h]) ⊙ h + σ(W_i [x; h]) ⊙ W_x x``.
+
+    The state's recurrence is element-wise given the gates, so every weight is
+    traced (``W_f``, ``W_i`` also through ``h``'s own Jacobian).
+
+    **Arguments:** `num_in`, `num_out` (input and state sizes); `w_init`, `b_init`
+    (weight and bias initialisers; default Xavier normal and zeros); `state_init`
+    (initial state; default zeros).
+    """
 
     def __init__(
         self,
@@ -53,7 +61,12 @@ class MiniLSTM(_Cell):
 class MinimalRNNCell(_Cell):
     r"""Minimal RNN: ``z = tanh(Φ x)``, ``u = σ(W_u [z; h])``, ``h ← u ⊙ h + (1 − u) ⊙ z``.
 
-    ``Φ`` reaches ``h`` directly and through ``W_u``; only the direct path is traced.
+    ``Φ`` reaches ``h`` directly and through ``W_u``; only the direct path is traced
+    (reported as a partial path in the compilation diagnostics).
+
+    **Arguments:** `num_in`, `num_out` (input and state sizes); `w_init`, `b_init`
+    (weight and bias initialisers; default Xavier normal and zeros); `state_init`
+    (initial state; default zeros).
     """
 
     def __init__(
@@ -87,7 +100,12 @@ class MinimalRNNCell(_Cell):
 
 
 class CFNCell(_Cell):
-    r"""Chaos-free network: ``h ← σ(W_f [x; h]) ⊙ tanh(h) + σ(W_i [x; h]) ⊙ tanh(W_h x)``."""
+    r"""Chaos-free network: ``h ← σ(W_f [x; h]) ⊙ tanh(h) + σ(W_i [x; h]) ⊙ tanh(W_h x)``.
+
+    **Arguments:** `num_in`, `num_out` (input and state sizes); `w_init`, `b_init`
+    (weight and bias initialisers; default Xavier normal and zeros); `state_init`
+    (initial state; default zeros).
+    """
 
     def __init__(
         self,
@@ -129,6 +147,10 @@ class URLSTMCell(_Cell):
     ``c ← g ⊙ c + (1 − g) ⊙ tanh(u)``, ``h ← σ(o) ⊙ tanh(c)``, where
     ``u, f, r, o = W_{u,f,r,o} [x; h]`` (no bias) and ``b`` is a learnable
     per-unit bias traced through `element_wise`.
+
+    **Arguments:** `num_in`, `num_out` (input and state sizes); `w_init`
+    (weight initialiser; default Xavier normal); `state_init`
+    (initial state; default zeros).
     """
 
     def __init__(

@@ -75,21 +75,44 @@ class _ConvNd(brainstate.nn.Module):
 
 class Conv1d(_ConvNd):
     """1-D convolution on ``(batch, length, in_channels)`` (channel-last), traced
-    per output position. Kernel ``(kernel_size, in, out)``, bias ``(out,)``."""
+    per output position. Kernel ``(kernel_size, in, out)``, bias ``(out,)``.
+
+    ``y[b, p, o] = bias[o] + Σ_{k, i} x[b, s·p + d·k − pad, i] · W[k, i, o]`` over
+    the kernel offsets ``k`` (``s``: `stride`, ``d``: `dilation`). D-RTRL keeps
+    one trace per output position ``p``, so a state fed by the convolution learns
+    the kernel exactly when its own recurrence is element-wise.
+
+    **Arguments:**
+
+    - `in_channels`, `out_channels`: channels of ``x`` and ``y`` (the last axis).
+    - `kernel_size`, `stride`, `dilation`: an int (same for every spatial axis) or
+      one int per spatial axis.
+    - `padding`: ``"SAME"`` (default: output length ``⌈n / stride⌉``) or ``"VALID"``.
+    - `w_init`: kernel initialiser (default Kaiming normal); `b_init`: bias
+      initialiser (default zeros; `None` for no bias).
+
+    The input must be batched: ``update`` raises for an unbatched ``x`` (add the
+    axis with ``x[None]``). Parameters live in one ``ParamState`` ``weight`` holding
+    ``{'weight': kernel, 'bias': bias}``.
+    """
 
     spatial = 1
 
 
 class Conv2d(_ConvNd):
     """2-D convolution on ``(batch, height, width, in_channels)``, traced per output
-    position. Kernel ``(kh, kw, in, out)``, bias ``(out,)``."""
+    position. Kernel ``(kh, kw, in, out)``, bias ``(out,)``; the equation and
+    arguments are those of `Conv1d` with ``p`` and ``k`` ranging over 2-D offsets.
+    """
 
     spatial = 2
 
 
 class Conv3d(_ConvNd):
     """3-D convolution on ``(batch, depth, height, width, in_channels)``, traced per
-    output position. Kernel ``(kd, kh, kw, in, out)``, bias ``(out,)``."""
+    output position. Kernel ``(kd, kh, kw, in, out)``, bias ``(out,)``; the equation
+    and arguments are those of `Conv1d` with ``p`` and ``k`` ranging over 3-D offsets.
+    """
 
     spatial = 3
 
@@ -144,7 +167,18 @@ class SparseLinear(brainstate.nn.Module):
 
 
 class GroupedLinear(brainstate.nn.Module):
-    """Block-diagonal linear map on ``(..., groups, in)`` → ``(..., groups, out)``."""
+    """Block-diagonal linear map on ``(..., groups, in)`` → ``(..., groups, out)``:
+    ``y[..., g, o] = b[g, o] + Σ_i x[..., g, i] · W[g, i, o]``.
+
+    Traces are ``(groups, in, out)`` per state slot, the size of ``W`` (not of the
+    equivalent dense ``(groups·in, groups·out)`` matrix).
+
+    **Arguments:**
+
+    - `groups`, `in_size`, `out_size`: the block count and each block's shape.
+    - `w_init`: initialiser of ``W`` (default Kaiming normal); `b_init`: of ``b``
+      (default zeros; `None` for no bias).
+    """
 
     def __init__(
         self,
@@ -175,7 +209,15 @@ class GroupedLinear(brainstate.nn.Module):
 class LoRA(brainstate.nn.Module):
     """A low-rank linear map ``y = α · x · B · A`` (``B``: ``(in, rank)``, ``A``:
     ``(rank, out)``), plus ``base(x)`` when a base module is given. ``A`` starts at
-    zero, so the map starts at zero. Traces follow the effective ``in × out`` weight.
+    zero, so the map starts at zero. Traces follow the effective ``in × out`` weight
+    ``W = α·B·A``; gradients map back to ``B`` and ``A`` by the chain rule.
+
+    **Arguments:**
+
+    - `in_size`, `rank`, `out_size`: the shapes of ``B`` and ``A``.
+    - `alpha`: the scale ``α`` (default ``1 / rank``).
+    - `base_module`: an optional (usually frozen) module added to the output.
+    - `b_init`: initialiser of ``B`` (default Kaiming normal).
     """
 
     def __init__(
@@ -214,7 +256,18 @@ class LoRA(brainstate.nn.Module):
 
 
 class Embedding(brainstate.nn.Module):
-    """A learnable lookup table ``(num_embeddings, embedding_dim)`` indexed by integers."""
+    """A learnable lookup table: ``y[..., :] = E[indices[...], :]`` with ``E`` of shape
+    ``(num_embeddings, embedding_dim)``.
+
+    The indices must be integers (float indices raise a `TypeError` when the
+    layer is called); an index's trace is its one-hot row, so traces have the size
+    of ``E`` per state slot.
+
+    **Arguments:**
+
+    - `num_embeddings`, `embedding_dim`: the table's shape.
+    - `w_init`: initialiser of ``E`` (default standard normal).
+    """
 
     def __init__(
         self,
