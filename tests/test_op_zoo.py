@@ -73,6 +73,14 @@ def _conv2d(x: Array, weight: Array) -> Array:
     return etrax.conv(x, weight, strides=(1, 2), padding="VALID")
 
 
+def _conv1d_dilated(x: Array, weight: Array, bias: Array) -> Array:
+    return etrax.conv(x, weight, bias, strides=(2,), padding="SAME", rhs_dilation=(2,))
+
+
+def _conv3d(x: Array, weight: Array) -> Array:
+    return etrax.conv(x, weight, padding="VALID")
+
+
 OPS = (
     OpCase("dense", _dense, lambda k: _rand(k, (2, 3)), {"weight": (3, 4), "bias": (4,)}, (2, 4)),
     OpCase(
@@ -113,6 +121,20 @@ OPS = (
     ),
     OpCase(
         "conv2d", _conv2d, lambda k: _rand(k, (2, 5, 6, 2)), {"weight": (2, 3, 2, 3)}, (2, 4, 2, 3)
+    ),
+    OpCase(
+        "conv1d_dilated",
+        _conv1d_dilated,
+        lambda k: _rand(k, (2, 7, 2)),
+        {"weight": (3, 2, 3), "bias": (3,)},
+        (2, 4, 3),
+    ),
+    OpCase(
+        "conv3d",
+        _conv3d,
+        lambda k: _rand(k, (1, 3, 3, 4, 2)),
+        {"weight": (2, 2, 3, 2, 2)},
+        (1, 2, 2, 2, 2),
     ),
 )
 
@@ -267,3 +289,17 @@ def test_bind_refuses_primitives_that_are_not_etp_ops() -> None:
         bias_fn=None,
     )
     np.testing.assert_allclose(y, 3.0 * jnp.ones((2, 4)))
+
+
+def test_sparse_pattern_from_bcoo() -> None:
+    from jax.experimental import sparse
+
+    dense = jnp.asarray([[0.0, 2.0, 0.0], [1.5, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, 3.0, 0.0]])
+    pattern, values = etrax.ops.SparsePattern.from_bcoo(sparse.BCOO.fromdense(dense))
+    assert pattern.shape == (4, 3) and pattern.nnz == 4
+    x = _rand(0, (2, 4))
+    np.testing.assert_allclose(etrax.ops.sparse_matmul(x, values, pattern), x @ dense, atol=TOL)
+    with pytest.raises(TypeError, match="BCOO"):
+        etrax.ops.SparsePattern.from_bcoo(dense)
+    with pytest.raises(ValueError, match="2-D"):
+        etrax.ops.SparsePattern.from_bcoo(sparse.BCOO.fromdense(jnp.ones((2, 3, 4))))

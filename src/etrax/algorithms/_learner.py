@@ -103,7 +103,7 @@ class OnlineLearner:
 
         `batch_size` defaults to the one given to `etrax.compile`. The graph was
         compiled for that batch size: resetting to another one makes the next
-        `etrace_grad` raise a shape error (compile a new learner instead).
+        `etrace_grad` raise a `StepInputError` (compile a new learner instead).
         """
         size = self.batch_size if batch_size is None else batch_size
         brainstate.nn.reset_all_states(self.model, batch_size=size)

@@ -6,7 +6,10 @@ pattern rather than `jax.experimental.sparse` or brainevent: the values are then
 an ordinary array in a `ParamState` (so they are traced and optimised like any
 weight), the pattern is hashable and part of the compiled graph, batching is a
 plain leading axis, and the per-parameter trace holds exactly one entry per
-stored value (``nnz × S`` per sample).
+stored value (``nnz × S`` per sample). A BCOO array keeps its indices as a traced
+leaf (they would be differentiated, batched and carried through `jit` as data),
+and brainevent adds a dependency for event-driven kernels that only pay off with
+binary spike inputs. `SparsePattern.from_bcoo` converts a BCOO matrix.
 """
 
 from collections.abc import Callable, Mapping
@@ -61,8 +64,40 @@ class SparsePattern:
         rows, cols = np.nonzero(m)
         return cls(rows, cols, (m.shape[0], m.shape[1]))
 
+    @classmethod
+    def from_bcoo(cls, matrix: Any) -> tuple["SparsePattern", Array]:
+        """The pattern and stored values of a 2-D `jax.experimental.sparse.BCOO` matrix.
+
+        **Returns:** ``(pattern, values)``: put `values` in a `ParamState` and call
+        ``sparse_matmul(x, values, pattern)``. The matrix's indices must be concrete
+        (not traced), as the pattern is static; duplicate indices are kept and summed.
+        """
+        from jax.experimental import sparse
+
+        if not isinstance(matrix, sparse.BCOO):
+            raise TypeError(
+                f"SparsePattern.from_bcoo: expected a jax.experimental.sparse.BCOO, got "
+                f"{type(matrix).__name__}"
+            )
+        if matrix.ndim != 2 or matrix.n_batch != 0 or matrix.n_dense != 0:
+            raise ValueError(
+                "SparsePattern.from_bcoo: need a 2-D BCOO matrix without batch or dense "
+                f"dimensions, got shape {matrix.shape} (n_batch={matrix.n_batch}, "
+                f"n_dense={matrix.n_dense})"
+            )
+        try:
+            indices = np.asarray(matrix.indices)
+        except jax.errors.TracerArrayConversionError as err:
+            raise ValueError(
+                "SparsePattern.from_bcoo: the matrix's indices are traced; build the pattern "
+                "outside jit (the pattern is static)"
+            ) from err
+        pattern = cls(indices[:, 0], indices[:, 1], (matrix.shape[0], matrix.shape[1]))
+        return pattern, jnp.asarray(matrix.data)
+
     @property
     def nnz(self) -> int:
+        """The number of stored values."""
         return int(self.rows.size)
 
     def __setattr__(self, name: str, value: object) -> None:
