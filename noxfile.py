@@ -17,9 +17,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over src/, tests/ and examples/ (stubs for brainstate in typings/)."""
+    """mypy --strict over src/, tests/, examples/ and benchmarks/ (stubs for brainstate in typings/)."""
     session.install("-e", ".[typecheck]")
-    session.run("mypy", "--strict", "src", "tests", "examples")
+    session.run("mypy", "--strict", "src", "tests", "examples", "benchmarks")
 
 
 @nox.session(python=PYTHON)

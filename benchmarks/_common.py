@@ -57,15 +57,20 @@ def build(name: str, hidden: int, batch: int, n_in: int = 10) -> tuple[etrax.ETr
     return etrax.compile_etrace_graph(model, x), x
 
 
+def block(value: Any) -> Any:
+    """`jax.block_until_ready` (unannotated in JAX)."""
+    return jax.block_until_ready(value)  # type: ignore[no-untyped-call]
+
+
 def time_fn(fn: Callable[[], Any], repeats: int = 5, min_time: float = 0.2) -> float:
     """Median wall time of `fn()` (blocking on its result), after one warm-up call."""
-    jax.block_until_ready(fn())
+    block(fn())
     samples = []
     for _ in range(repeats):
         n = 0
         start = time.perf_counter()
         while True:
-            jax.block_until_ready(fn())
+            block(fn())
             n += 1
             elapsed = time.perf_counter() - start
             if elapsed >= min_time:

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import etrax
 from etrax.algorithms._drivers import _bptt_jit, _online_jit
 
-from ._common import build, table, time_fn, write
+from ._common import block, build, table, time_fn, write
+from ._floor import handwritten_times
 
 
 def _mse(y: jax.Array, t: jax.Array) -> jax.Array:
@@ -76,6 +77,22 @@ def per_step(sizes: list[tuple[int, int]], T: int = 64) -> str:
                 ]
             )
             print(f"  H={hidden} B={batch} {name}: {t / t_fwd:.2f}x forward", flush=True)
+        hw_fwd, hw_pp = handwritten_times(hidden, batch, time_fn, T=T)
+        for name, t in (("hand-written forward", hw_fwd), ("hand-written pp-prop", hw_pp)):
+            rows.append(
+                [
+                    str(hidden),
+                    str(batch),
+                    name,
+                    f"{t * 1e6:.1f}",
+                    f"{t / t_fwd:.2f}",
+                    f"{t / t_bptt:.2f}",
+                ]
+            )
+        print(
+            f"  H={hidden} B={batch} hand-written pp-prop: {hw_pp / hw_fwd:.2f}x its forward",
+            flush=True,
+        )
     return table(["H", "B", "method", "µs / step", "× forward", "× BPTT"], rows)
 
 
@@ -134,7 +151,7 @@ def compile_once() -> str:
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         grads, aux = etrax.online_grad(graph, algo, aux["state"], aux["traces"], xs2, ts2, _mse)
-        jax.block_until_ready(grads)
+        block(grads)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     return f"Second `online_grad` call with new values: {len(events)} retrace(s)."
@@ -152,7 +169,9 @@ def run(quick: bool = False) -> str:
         "# Online learning: `online_grad` vs forward-only and BPTT\n\n"
         "Model `GRUCell(10, H) → Linear(H, 1)`, per-step MSE, float32, "
         f"device `{jax.devices()[0].platform}`. Times are per step inside the fused "
-        "scan (T = 64), measured in one run.\n\n"
+        "scan (T = 64), measured in one run. The *hand-written* rows are the same "
+        "math for one GRU written directly in JAX (benchmarks/_floor.py, no biases): "
+        "their ratio to each other is the pp-prop cost floor on this machine.\n\n"
         + speed
         + "\n\n## Compiled memory (H = 256, B = 8)\n\n"
         "XLA's buffer assignment of the jitted driver: arguments (including the inputs "

@@ -1,13 +1,14 @@
 """Run the benchmarks (`nox -s bench`): `python benchmarks/run.py [executor ...]`."""
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bench_executor, bench_online
 
-SUITES = {"executor": bench_executor.run, "online": bench_online.run}
+SUITES: dict[str, Callable[[], str]] = {"executor": bench_executor.run, "online": bench_online.run}
 
 
 def main(argv: list[str]) -> int:
