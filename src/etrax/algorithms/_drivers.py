@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._compat import vary_tree
+from .._compat import shape_struct, vary_tree
 from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import ETraceGraph
 from ..executor import ModelState, StepJacobians
-from ..executor._state import check_inputs, check_state, flat_state
+from ..executor._state import fast_check_inputs, fast_check_state, flat_state, shape_dtype
 from ..executor._step import _env, _forward_impl, _jacobians, _new_state, _step_impl, as_args
 from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, zeros_eff
 from ._kernels import instant_contribution
@@ -251,7 +251,8 @@ def _check_sequences(graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn)
     t_leaves = jax.tree.leaves(targets)
     if not x_leaves:
         raise StepInputError("xs holds no arrays: pass inputs with a leading time axis")
-    lengths = {int(jnp.shape(a)[0]) if jnp.ndim(a) else -1 for a in x_leaves + t_leaves}
+    shapes = [shape_dtype(a)[0] for a in x_leaves + t_leaves]
+    lengths = {s[0] if s else -1 for s in shapes}
     if len(lengths) != 1 or -1 in lengths:
         shown = sorted(
             f"{name}: {jnp.shape(a)}"
@@ -263,9 +264,18 @@ def _check_sequences(graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn)
             + ", ".join(shown)
         )
     (T,) = lengths
-    first = jax.tree.map(lambda a: a[0], xs)
-    check_inputs(graph, as_args(graph, first))
+    fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
     return T
+
+
+def _step_structs(seq: Any) -> Any:
+    """Shape/dtype structs of one step's slice of a sequence (no device work)."""
+
+    def one(a: Any) -> jax.ShapeDtypeStruct:
+        shape, dtype = shape_dtype(a)
+        return shape_struct(shape[1:], dtype)
+
+    return jax.tree.map(one, seq)
 
 
 def _check_loss(
@@ -275,16 +285,16 @@ def _check_loss(
         raise TypeError(
             f"loss_fn must be callable as loss_fn(y_t, target_t), got {type(loss_fn).__name__}"
         )
-    first = jax.tree.map(lambda a: a[0], xs)
-    target0 = jax.tree.map(lambda a: a[0], targets)
+    first = _step_structs(xs)
+    target0 = _step_structs(targets)
     y = jax.eval_shape(lambda s, x: _forward_impl(graph, s, as_args(graph, x))[0], state, first)
     try:
         out = jax.eval_shape(loss_fn, y, target0)
     except Exception as err:
         raise StepInputError(
             f"loss_fn(y_t, target_t) failed for y_t {jax.tree.map(lambda a: a.shape, y)} and "
-            f"target_t {jax.tree.map(jnp.shape, target0)}: {type(err).__name__}: {err}. Pass "
-            "targets whose per-step slices fit loss_fn."
+            f"target_t {jax.tree.map(lambda a: a.shape, target0)}: {type(err).__name__}: "
+            f"{err}. Pass targets whose per-step slices fit loss_fn."
         ) from err
     if not (
         isinstance(out, jax.ShapeDtypeStruct)
@@ -299,7 +309,7 @@ def _check_loss(
 
 def _avals(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in leaves)
+    return treedef, tuple(shape_dtype(a) for a in leaves)
 
 
 def _seen(graph: ETraceGraph, key: Any) -> bool:
@@ -368,7 +378,7 @@ def online_grad(
         raise ValueError(
             "online_grad needs the hidden perturbation: compile with include_hidden_perturb=True"
         )
-    check_state(graph, state)
+    fast_check_state(graph, state)
     T = _check_sequences(graph, xs, targets, loss_fn)
     w: object = window
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
@@ -414,7 +424,7 @@ def bptt_grad(
 
     **Returns:** ``(grads, aux)`` with ``aux['losses']`` and the final ``aux['state']``.
     """
-    check_state(graph, state)
+    fast_check_state(graph, state)
     _check_sequences(graph, xs, targets, loss_fn)
     key = ("bptt", _avals(xs), _avals(targets), loss_fn)
     if not _seen(graph, key):

@@ -88,8 +88,7 @@ def _check_leaves(
             "structure the graph was compiled with."
         )
     for k, (leaf, shape, dtype) in enumerate(zip(leaves, shapes, dtypes, strict=True)):
-        leaf_shape = tuple(np.shape(leaf))
-        leaf_dtype = jnp.result_type(leaf)
+        leaf_shape, leaf_dtype = shape_dtype(leaf)
         if leaf_shape != tuple(shape) or np.dtype(leaf_dtype) != np.dtype(dtype):
             at = f"{where}" if len(leaves) == 1 else f"{where} (leaf {k})"
             raise StepInputError(
@@ -162,12 +161,36 @@ def _leaves_match(leaves: Sequence[Any], avals: Sequence[tuple[Any, Any]]) -> bo
     return True
 
 
-def fast_check(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> None:
-    """`check_state` and `check_inputs`, with a fast path for the common correct case."""
+def shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """A leaf's shape and dtype: arrays, `jax.ShapeDtypeStruct`s, tracers or scalars."""
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if isinstance(shape, tuple) and dtype is not None:
+        return shape, np.dtype(dtype)
+    return tuple(np.shape(leaf)), np.dtype(jnp.result_type(leaf))
+
+
+def fast_check_state(graph: ETraceGraph, state: ModelState) -> None:
+    """`check_state`, with a fast path for the common correct case."""
     sig = signature(graph)
     leaves, treedef = jax.tree.flatten(state)
     if treedef != sig.state_treedef or not _leaves_match(leaves, sig.state_avals):
         check_state(graph, state)
+
+
+def fast_check_inputs(graph: ETraceGraph, args: tuple[Any, ...]) -> None:
+    """`check_inputs`, with a fast path for the common correct case (`args` may hold
+    `jax.ShapeDtypeStruct`s)."""
+    sig = signature(graph)
+    a_leaves, a_def = jax.tree.flatten(args)
+    if a_def != sig.in_tree or not _leaves_match(a_leaves, sig.in_avals):
+        check_inputs(graph, args)
+
+
+def fast_check(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> None:
+    """`check_state` and `check_inputs`, with a fast path for the common correct case."""
+    fast_check_state(graph, state)
+    sig = signature(graph)
     a_leaves, a_def = jax.tree.flatten(args)
     if a_def != sig.in_tree or not _leaves_match(a_leaves, sig.in_avals):
         check_inputs(graph, args)
