@@ -43,12 +43,6 @@ class MiniLSTM(_Cell):
         self.W_f = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
         self.W_i = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
-
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
         h = self.h.value
@@ -84,12 +78,6 @@ class MinimalRNNCell(_Cell):
         self.phi = Linear(num_in, num_out, w_init=w_init, b_init=b_init)
         self.W_u = Linear(2 * num_out, num_out, w_init=w_init, b_init=b_init)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
-
     def update(self, x: ArrayLike) -> Array:
         h = self.h.value
         z = jnp.tanh(self.phi(jnp.asarray(x)))
@@ -122,12 +110,6 @@ class CFNCell(_Cell):
         self.Wf = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
         self.Wi = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
         self.Wh = Linear(num_in, num_out, w_init=w_init, b_init=b_init)
-
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
 
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
@@ -175,13 +157,8 @@ class URLSTMCell(_Cell):
             jnp.asarray(-np.log(1.0 / u - 1.0), brainstate.environ.dftype())
         )
 
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-        self.c = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
-        self.c.value = self._new_state(batch_size)
+    _state_names = ("h", "c")
+    c: "brainstate.HiddenState[Array]"
 
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)

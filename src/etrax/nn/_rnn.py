@@ -21,7 +21,12 @@ __all__ = [
 
 
 class _Cell(brainstate.nn.Module):
-    """Shared constructor plumbing (not part of the public API)."""
+    """Shared constructor and state plumbing (not part of the public API): the hidden
+    states named in `_state_names`, each ``(num_out,)`` per sample, created in that
+    order by ``init_state(batch_size)``."""
+
+    _state_names: tuple[str, ...] = ("h",)
+    h: "brainstate.HiddenState[Array]"
 
     def __init__(
         self,
@@ -41,6 +46,14 @@ class _Cell(brainstate.nn.Module):
 
     def _new_state(self, batch_size: int | None) -> Array:
         return init_param(self._state_init, (self.num_out,), batch_size)
+
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        for name in self._state_names:
+            setattr(self, name, brainstate.HiddenState(self._new_state(batch_size)))
+
+    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        for name in self._state_names:
+            getattr(self, name).value = self._new_state(batch_size)
 
 
 class ValinaRNNCell(_Cell):
@@ -63,12 +76,6 @@ class ValinaRNNCell(_Cell):
         super().__init__(num_in, num_out, state_init, name)
         self.activation = resolve_activation(activation)
         self.W = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
-
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
 
     def update(self, x: ArrayLike) -> Array:
         h = self.h.value
@@ -108,12 +115,6 @@ class GRUCell(_Cell):
         self.Wr = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
         self.Wh = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
-
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
         h = self.h.value
@@ -152,12 +153,6 @@ class MGUCell(_Cell):
         self.Wf = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
         self.Wh = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
-
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
         h = self.h.value
@@ -195,13 +190,8 @@ class LSTMCell(_Cell):
         self.Wf = Linear(n, num_out, w_init=w_init, b_init=b_init)
         self.Wo = Linear(n, num_out, w_init=w_init, b_init=b_init)
 
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-        self.c = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
-        self.c.value = self._new_state(batch_size)
+    _state_names = ("h", "c")
+    c: "brainstate.HiddenState[Array]"
 
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
@@ -236,12 +226,6 @@ class MiniGRU(_Cell):
             w_init = brainstate.nn.init.XavierNormal()
         self.W_x = Linear(num_in, num_out, w_init=w_init, b_init=b_init)
         self.W_z = Linear(num_in + num_out, num_out, w_init=w_init, b_init=b_init)
-
-    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h = brainstate.HiddenState(self._new_state(batch_size))
-
-    def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.h.value = self._new_state(batch_size)
 
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)

@@ -21,7 +21,7 @@ from .._compat import bind
 from .._errors import NotSupportedError
 from .._typing import Params, Shape
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import chain_transform, check_transform
+from ._util import bias_trainable, chain_transform, check_transform
 
 __all__ = ["conv", "conv_p", "default_dimension_numbers"]
 
@@ -78,10 +78,6 @@ def _impl(
         shape[out_spec[1]] = b.shape[0]
         y = y + b.reshape(shape)
     return y
-
-
-def _trainable(params: Params) -> Mapping[str, int]:
-    return {"weight": 1, "bias": 2} if params["has_bias"] else {"weight": 1}
 
 
 def _check_traceable(x_ndim: int, k_shape: Shape, params: Params) -> None:
@@ -221,7 +217,7 @@ CONV_RULES = ETPRules(
     effective_shape_rule=_effective,
 )
 
-conv_p = register_primitive("etp_conv", _impl, trainable=_trainable, rules=CONV_RULES)
+conv_p = register_primitive("etp_conv", _impl, trainable=bias_trainable, rules=CONV_RULES)
 
 
 def _tuple(

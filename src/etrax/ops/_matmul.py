@@ -7,9 +7,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from .._compat import bind
-from .._typing import Params, Shape
+from .._typing import Params
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import chain_transform, check_transform, sum_leading
+from ._util import (
+    bias_trainable,
+    chain_weight_bias,
+    check_transform,
+    sum_leading,
+    weight_bias_trace_shapes,
+)
 
 __all__ = ["matmul", "matmul_p"]
 
@@ -25,10 +31,6 @@ def _matmul_impl(
         (b,) = bias
         y = y + (b if bias_fn is None else bias_fn(b))
     return y
-
-
-def _matmul_trainable(params: Params) -> Mapping[str, int]:
-    return {"weight": 1, "bias": 2} if params["has_bias"] else {"weight": 1}
 
 
 def _matmul_batch(
@@ -84,15 +86,6 @@ def _contract(
     return grads
 
 
-def _chain(
-    grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params
-) -> dict[str, Array]:
-    out = {"weight": chain_transform(params["weight_fn"], weights["weight"], grads["weight"])}
-    if "bias" in grads:
-        out["bias"] = chain_transform(params["bias_fn"], weights["bias"], grads["bias"])
-    return out
-
-
 def _factor(x: Array | None, params: Params) -> Factorization:
     assert x is not None
     inputs: dict[str, Array | None] = {"weight": x}
@@ -101,34 +94,20 @@ def _factor(x: Array | None, params: Params) -> Factorization:
     return Factorization(batch_ndim=x.ndim - 1, inputs=inputs)
 
 
-def _trace_shapes(
-    x: jax.ShapeDtypeStruct | None,
-    y: jax.ShapeDtypeStruct,
-    weights: Mapping[str, jax.ShapeDtypeStruct],
-    params: Params,
-) -> dict[str, Shape]:
-    assert x is not None
-    batch = tuple(x.shape[:-1])
-    shapes: dict[str, Shape] = {"weight": batch + tuple(weights["weight"].shape)}
-    if params["has_bias"]:
-        shapes["bias"] = batch + tuple(y.shape[-1:])
-    return shapes
-
-
 MATMUL_RULES = ETPRules(
     instant=_instant,
     scale=_scale,
-    param_trace_shapes=_trace_shapes,
+    param_trace_shapes=weight_bias_trace_shapes(1, 1),
     solve_rule=_solve,
     contract_rule=_contract,
-    chain_rule=_chain,
+    chain_rule=chain_weight_bias,
     factor=_factor,
 )
 
 matmul_p = register_primitive(
     "etp_matmul",
     _matmul_impl,
-    trainable=_matmul_trainable,
+    trainable=bias_trainable,
     x_index=0,
     rules=MATMUL_RULES,
     batch_rule=_matmul_batch,

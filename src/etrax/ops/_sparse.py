@@ -21,10 +21,16 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from .._compat import Primitive, bind
-from .._typing import Params, Shape
+from .._typing import Params
 from ._common import x_batch_rule
 from ._primitive import ETPRules, register_primitive
-from ._util import chain_transform, check_transform, sum_leading
+from ._util import (
+    bias_trainable,
+    chain_weight_bias,
+    check_transform,
+    sum_leading,
+    weight_bias_trace_shapes,
+)
 
 __all__ = ["SparsePattern", "sparse_matmul", "sparse_matmul_p"]
 
@@ -130,10 +136,6 @@ def _impl(
     return y
 
 
-def _trainable(params: Params) -> Mapping[str, int]:
-    return {"weight": 1, "bias": 2} if params["has_bias"] else {"weight": 1}
-
-
 def _instant(
     x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
 ) -> dict[str, Array]:
@@ -164,41 +166,18 @@ def _contract(
     return out
 
 
-def _chain(
-    grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params
-) -> dict[str, Array]:
-    out = {"weight": chain_transform(params["weight_fn"], weights["weight"], grads["weight"])}
-    if "bias" in grads:
-        out["bias"] = chain_transform(params["bias_fn"], weights["bias"], grads["bias"])
-    return out
-
-
-def _trace_shapes(
-    x: jax.ShapeDtypeStruct | None,
-    y: jax.ShapeDtypeStruct,
-    weights: Mapping[str, jax.ShapeDtypeStruct],
-    params: Params,
-) -> dict[str, Shape]:
-    assert x is not None
-    batch = tuple(x.shape[:-1])
-    shapes: dict[str, Shape] = {"weight": batch + tuple(weights["weight"].shape)}
-    if params["has_bias"]:
-        shapes["bias"] = batch + tuple(y.shape[-1:])
-    return shapes
-
-
 SPARSE_RULES = ETPRules(
     instant=_instant,
     scale=_scale,
-    param_trace_shapes=_trace_shapes,
+    param_trace_shapes=weight_bias_trace_shapes(1, 1),
     contract_rule=_contract,
-    chain_rule=_chain,
+    chain_rule=chain_weight_bias,
 )
 
 sparse_matmul_p: Primitive = register_primitive(
     "etp_sparse_matmul",
     _impl,
-    trainable=_trainable,
+    trainable=bias_trainable,
     rules=SPARSE_RULES,
     batch_rule=x_batch_rule(lambda: sparse_matmul_p, _impl, 2),
 )

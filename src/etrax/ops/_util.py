@@ -1,12 +1,21 @@
 """Helpers shared by the built-in ETP ops."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-__all__ = ["chain_transform", "check_transform", "sum_leading"]
+from .._typing import Params, Shape
+
+__all__ = [
+    "bias_trainable",
+    "chain_transform",
+    "chain_weight_bias",
+    "check_transform",
+    "sum_leading",
+    "weight_bias_trace_shapes",
+]
 
 
 def chain_transform(fn: Callable[[Array], Array] | None, raw: Array, grad: Array) -> Array:
@@ -31,3 +40,44 @@ def check_transform(name: str, fn: object) -> None:
     """Validate a ``weight_fn``/``bias_fn`` argument."""
     if fn is not None and not callable(fn):
         raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}.")
+
+
+def bias_trainable(params: Params) -> Mapping[str, int]:
+    """``{'weight': 1, 'bias': 2}`` for ops ``(x, weight[, bias])`` with a ``has_bias`` param."""
+    return {"weight": 1, "bias": 2} if params["has_bias"] else {"weight": 1}
+
+
+def chain_weight_bias(
+    grads: Mapping[str, Array], weights: Mapping[str, Array], params: Params
+) -> dict[str, Array]:
+    """The `chain` rule of ops applying ``weight_fn`` / ``bias_fn`` element-wise."""
+    out = {"weight": chain_transform(params["weight_fn"], weights["weight"], grads["weight"])}
+    if "bias" in grads:
+        out["bias"] = chain_transform(params["bias_fn"], weights["bias"], grads["bias"])
+    return out
+
+
+def weight_bias_trace_shapes(
+    x_features: int, y_features: int
+) -> Callable[
+    [jax.ShapeDtypeStruct | None, jax.ShapeDtypeStruct, Mapping[str, jax.ShapeDtypeStruct], Params],
+    dict[str, Shape],
+]:
+    """The trace-shape rule of an op whose weight trace is the weight itself per batch
+    element of ``x`` (``x``'s axes before its last `x_features`), with a bias shaped
+    like ``y``'s last `y_features` axes."""
+
+    def rule(
+        x: jax.ShapeDtypeStruct | None,
+        y: jax.ShapeDtypeStruct,
+        weights: Mapping[str, jax.ShapeDtypeStruct],
+        params: Params,
+    ) -> dict[str, Shape]:
+        assert x is not None
+        batch = tuple(x.shape[: len(x.shape) - x_features])
+        shapes: dict[str, Shape] = {"weight": batch + tuple(weights["weight"].shape)}
+        if params["has_bias"]:
+            shapes["bias"] = batch + tuple(y.shape[len(y.shape) - y_features :])
+        return shapes
+
+    return rule
