@@ -17,13 +17,26 @@ from ..executor import ModelState, StepJacobians
 from ._plan import plan_of
 from ._weights import operand_values, operands_to_params
 
-__all__ = ["EffGrads", "OnlineAlgorithm", "Weights", "check_relations", "zeros_eff"]
+__all__ = [
+    "EffGrads",
+    "OnlineAlgorithm",
+    "Weights",
+    "check_chunk_steps",
+    "check_relations",
+    "zeros_eff",
+]
 
 EffGrads = tuple[dict[str, Array], ...]
 """Gradients with respect to each relation's effective trainable operands."""
 
 Weights = Sequence[Mapping[str, Array]]
 """Each relation's trainable operand values (`operand_values(graph, params)`)."""
+
+
+def check_chunk_steps(name: str, steps: object) -> None:
+    """Raise `ValueError` unless `steps` (an algorithm's ``chunk_steps``) is a positive int."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"{name}: chunk_steps must be a positive int, got {steps!r}")
 
 
 def check_relations(graph: ETraceGraph, name: str) -> None:

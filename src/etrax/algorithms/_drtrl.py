@@ -11,7 +11,14 @@ from jaxtyping import Array, PRNGKeyArray
 from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import ModelState, StepJacobians
-from ._base import EffGrads, OnlineAlgorithm, Weights, check_relations, scan_chunk
+from ._base import (
+    EffGrads,
+    OnlineAlgorithm,
+    Weights,
+    check_chunk_steps,
+    check_relations,
+    scan_chunk,
+)
 from ._kernels import drtrl_chunk, drtrl_init, drtrl_solve, drtrl_update
 from ._plan import plan_of
 
@@ -131,9 +138,7 @@ class DRTRL(OnlineAlgorithm):
     chunk_steps: int = eqx.field(static=True, default=32)
 
     def __check_init__(self) -> None:
-        steps: object = self.chunk_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"DRTRL: chunk_steps must be a positive int, got {self.chunk_steps!r}")
+        check_chunk_steps("DRTRL", self.chunk_steps)
 
     @property
     def chunk_size(self) -> int:

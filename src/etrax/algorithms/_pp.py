@@ -11,7 +11,14 @@ from jaxtyping import Array, Int
 from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import ModelState, StepJacobians
-from ._base import EffGrads, OnlineAlgorithm, Weights, check_relations, scan_chunk
+from ._base import (
+    EffGrads,
+    OnlineAlgorithm,
+    Weights,
+    check_chunk_steps,
+    check_relations,
+    scan_chunk,
+)
 from ._kernels import map_extra
 from ._plan import plan_of
 
@@ -64,9 +71,7 @@ class PPProp(OnlineAlgorithm):
     def __check_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"PPProp: decay must be in [0, 1), got {self.decay}")
-        steps: object = self.chunk_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"PPProp: chunk_steps must be a positive int, got {steps!r}")
+        check_chunk_steps("PPProp", self.chunk_steps)
 
     @property
     def chunk_size(self) -> int:
