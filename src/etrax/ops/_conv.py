@@ -21,7 +21,7 @@ from .._compat import bind
 from .._errors import NotSupportedError
 from .._typing import Params, Shape
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import bias_trainable, chain_transform, check_transform
+from ._util import bias_trainable, chain_transform, check_transform, dense_scale, outer_instant
 
 __all__ = ["conv", "conv_p", "default_dimension_numbers"]
 
@@ -120,17 +120,7 @@ def _instant(
 ) -> dict[str, Array]:
     assert x is not None
     u = _patches(x, _kernel_shape(weights, params), params)
-    out = {"weight": u[..., :, None] * cot[..., None, :]}
-    if params["has_bias"]:
-        out["bias"] = cot
-    return out
-
-
-def _scale(hvec: Array, trace: Mapping[str, Array], params: Params) -> dict[str, Array]:
-    out = {"weight": trace["weight"] * hvec[..., None, :]}
-    if "bias" in trace:
-        out["bias"] = trace["bias"] * hvec
-    return out
+    return outer_instant(u, cot, params["has_bias"])
 
 
 def _contract(
@@ -209,7 +199,7 @@ def _trace_shapes(
 
 CONV_RULES = ETPRules(
     instant=_instant,
-    scale=_scale,
+    scale=dense_scale,
     param_trace_shapes=_trace_shapes,
     contract_rule=_contract,
     chain_rule=_chain,

@@ -15,7 +15,7 @@ from .._compat import Primitive, bind
 from .._typing import Params, Shape
 from ._common import x_batch_rule
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import chain_transform, check_transform, sum_leading
+from ._util import chain_transform, check_transform, dense_scale, outer_instant, sum_leading
 
 __all__ = ["lora_matmul", "lora_matmul_p"]
 
@@ -54,17 +54,7 @@ def _instant(
     x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
 ) -> dict[str, Array]:
     assert x is not None
-    out = {"weight": x[..., :, None] * cot[..., None, :]}
-    if params["has_bias"]:
-        out["bias"] = cot
-    return out
-
-
-def _scale(hvec: Array, trace: Mapping[str, Array], params: Params) -> dict[str, Array]:
-    out = {"weight": trace["weight"] * hvec[..., None, :]}
-    if "bias" in trace:
-        out["bias"] = trace["bias"] * hvec
-    return out
+    return outer_instant(x, cot, params["has_bias"])
 
 
 def _contract(
@@ -127,7 +117,7 @@ def _trace_shapes(
 
 LORA_RULES = ETPRules(
     instant=_instant,
-    scale=_scale,
+    scale=dense_scale,
     param_trace_shapes=_trace_shapes,
     contract_rule=_contract,
     chain_rule=_chain,

@@ -13,6 +13,8 @@ from ._util import (
     bias_trainable,
     chain_weight_bias,
     check_transform,
+    dense_scale,
+    outer_instant,
     sum_leading,
     weight_bias_trace_shapes,
 )
@@ -53,17 +55,7 @@ def _instant(
     x: Array | None, cot: Array, weights: Mapping[str, Array], params: Params
 ) -> dict[str, Array]:
     assert x is not None
-    trace = {"weight": x[..., :, None] * cot[..., None, :]}
-    if params["has_bias"]:
-        trace["bias"] = cot
-    return trace
-
-
-def _scale(hvec: Array, trace: Mapping[str, Array], params: Params) -> dict[str, Array]:
-    out = {"weight": trace["weight"] * hvec[..., None, :]}
-    if "bias" in trace:
-        out["bias"] = trace["bias"] * hvec
-    return out
+    return outer_instant(x, cot, params["has_bias"])
 
 
 def _solve(
@@ -96,7 +88,7 @@ def _factor(x: Array | None, params: Params) -> Factorization:
 
 MATMUL_RULES = ETPRules(
     instant=_instant,
-    scale=_scale,
+    scale=dense_scale,
     param_trace_shapes=weight_bias_trace_shapes(1, 1),
     solve_rule=_solve,
     contract_rule=_contract,

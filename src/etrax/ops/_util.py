@@ -13,6 +13,8 @@ __all__ = [
     "chain_transform",
     "chain_weight_bias",
     "check_transform",
+    "dense_scale",
+    "outer_instant",
     "sum_leading",
     "weight_bias_trace_shapes",
 ]
@@ -81,3 +83,20 @@ def weight_bias_trace_shapes(
         return shapes
 
     return rule
+
+
+def outer_instant(u: Array, cot: Array, has_bias: bool) -> dict[str, Array]:
+    """The instantaneous trace of a dense-like op: ``u ⊗ cot`` (``u`` the op's input or
+    its patches, ``(..., I)``; ``cot`` ``(..., O)``), plus ``cot`` for a bias."""
+    out = {"weight": u[..., :, None] * cot[..., None, :]}
+    if has_bias:
+        out["bias"] = cot
+    return out
+
+
+def dense_scale(hvec: Array, trace: Mapping[str, Array], params: Params) -> dict[str, Array]:
+    """The `scale` rule of a dense-like op: weight ``[i, o]`` feeds output ``o``."""
+    out = {"weight": trace["weight"] * hvec[..., None, :]}
+    if "bias" in trace:
+        out["bias"] = trace["bias"] * hvec
+    return out
