@@ -27,7 +27,52 @@ def _shape_of(size: int | tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
-class LIF(brainstate.nn.Module):
+class _Leaky(brainstate.nn.Module):
+    """Shared plumbing of `LIF` and `ALIF` (not public): validation, the membrane
+    update with soft reset, and the resting state."""
+
+    def __init__(
+        self,
+        size: int | tuple[int, ...],
+        tau: float,
+        dt: float,
+        R: float,
+        v_th: float,
+        v_reset: float,
+        surrogate: Surrogate | None,
+        detach_reset: bool,
+        name: str | None,
+    ) -> None:
+        super().__init__(name=name)
+        _check_positive(tau=tau, dt=dt)
+        if not v_th > v_reset:
+            raise ValueError(f"v_th ({v_th}) must be above v_reset ({v_reset})")
+        self.size = _shape_of(size)
+        self.in_size = self.size
+        self.out_size = self.size
+        self.alpha = math.exp(-dt / tau)
+        self.R = R
+        self.v_th = v_th
+        self.v_reset = v_reset
+        self.surrogate = ReluGrad() if surrogate is None else surrogate
+        self.detach_reset = detach_reset
+
+    def _zeros(self, batch_size: int | None) -> Array:
+        return init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
+
+    def _last(self, s: Array) -> Array:
+        """The previous step's spikes as the reset term sees them."""
+        return jax.lax.stop_gradient(s) if self.detach_reset else s
+
+    def _integrate(self, v: Array, current: ArrayLike, last: Array) -> Array:
+        return (
+            self.alpha * v
+            + (1.0 - self.alpha) * self.R * jnp.asarray(current)
+            - (self.v_th - self.v_reset) * last
+        )
+
+
+class LIF(_Leaky):
     r"""Leaky integrate-and-fire neurons with soft reset.
 
     ``V ← α V + (1 − α) R I − (V_th − V_reset) s^{t−1}``, ``s^t = H((V − V_th)/(V_th − V_reset))``
@@ -56,48 +101,25 @@ class LIF(brainstate.nn.Module):
         detach_reset: bool = False,
         name: str | None = None,
     ) -> None:
-        super().__init__(name=name)
-        _check_positive(tau=tau, dt=dt)
-        if not v_th > v_reset:
-            raise ValueError(f"v_th ({v_th}) must be above v_reset ({v_reset})")
-        self.size = _shape_of(size)
-        self.in_size = self.size
-        self.out_size = self.size
-        self.alpha = math.exp(-dt / tau)
-        self.R = R
-        self.v_th = v_th
-        self.v_reset = v_reset
-        self.surrogate = ReluGrad() if surrogate is None else surrogate
-        self.detach_reset = detach_reset
+        super().__init__(size, tau, dt, R, v_th, v_reset, surrogate, detach_reset, name)
 
     def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.V = brainstate.HiddenState(self._rest(batch_size))
+        self.V = brainstate.HiddenState(self._zeros(batch_size) + self.v_reset)
 
     def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.V.value = self._rest(batch_size)
-
-    def _rest(self, batch_size: int | None) -> Array:
-        zero = init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
-        return zero + self.v_reset
+        self.V.value = self._zeros(batch_size) + self.v_reset
 
     def _spike(self, v: Array) -> Array:
         return spike((v - self.v_th) / (self.v_th - self.v_reset), self.surrogate)
 
     def update(self, current: ArrayLike) -> Array:
         v = self.V.value
-        last = self._spike(v)
-        if self.detach_reset:
-            last = jax.lax.stop_gradient(last)
-        v = (
-            self.alpha * v
-            + (1.0 - self.alpha) * self.R * jnp.asarray(current)
-            - (self.v_th - self.v_reset) * last
-        )
+        v = self._integrate(v, current, self._last(self._spike(v)))
         self.V.value = v
         return self._spike(v)
 
 
-class ALIF(brainstate.nn.Module):
+class ALIF(_Leaky):
     r"""Adaptive leaky integrate-and-fire neurons (membrane ``V``, adaptation ``a``).
 
     ``V ← α V + (1 − α) R I − (V_th − V_reset) s^{t−1}``, ``a ← ρ a + s^{t−1}``,
@@ -120,29 +142,18 @@ class ALIF(brainstate.nn.Module):
         detach_reset: bool = False,
         name: str | None = None,
     ) -> None:
-        super().__init__(name=name)
-        _check_positive(tau=tau, tau_a=tau_a, dt=dt)
-        if not v_th > v_reset:
-            raise ValueError(f"v_th ({v_th}) must be above v_reset ({v_reset})")
-        self.size = _shape_of(size)
-        self.in_size = self.size
-        self.out_size = self.size
-        self.alpha = math.exp(-dt / tau)
+        super().__init__(size, tau, dt, R, v_th, v_reset, surrogate, detach_reset, name)
+        _check_positive(tau_a=tau_a)
         self.rho = math.exp(-dt / tau_a)
         self.beta = beta
-        self.R = R
-        self.v_th = v_th
-        self.v_reset = v_reset
-        self.surrogate = ReluGrad() if surrogate is None else surrogate
-        self.detach_reset = detach_reset
 
     def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        zero = init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
+        zero = self._zeros(batch_size)
         self.V = brainstate.HiddenState(zero + self.v_reset)
         self.a = brainstate.HiddenState(zero)
 
     def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        zero = init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
+        zero = self._zeros(batch_size)
         self.V.value = zero + self.v_reset
         self.a.value = zero
 
@@ -152,14 +163,8 @@ class ALIF(brainstate.nn.Module):
     def update(self, current: ArrayLike) -> Array:
         v = self.V.value
         a = self.a.value
-        last = self._spike(v, a)
-        if self.detach_reset:
-            last = jax.lax.stop_gradient(last)
-        v = (
-            self.alpha * v
-            + (1.0 - self.alpha) * self.R * jnp.asarray(current)
-            - (self.v_th - self.v_reset) * last
-        )
+        last = self._last(self._spike(v, a))
+        v = self._integrate(v, current, last)
         a = self.rho * a + last
         self.V.value = v
         self.a.value = a
