@@ -78,4 +78,4 @@ def test_compose_is_the_pipeline() -> None:
     with pytest.raises(ValueError, match="include_hidden_perturb"):
         no_perturb.call_hidden_perturb((x,), [jnp.zeros(4)])
     with pytest.raises(ValueError, match="at least one stage"):
-        etrax.compose()
+        etrax.compose()  # type: ignore[call-overload]  # the error under test

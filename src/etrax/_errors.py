@@ -18,7 +18,9 @@ __all__ = [
     "ParamStateWriteError",
     "RecursiveCompileError",
     "StateNotInitializedError",
+    "StateShapeChangedError",
     "StepInputError",
+    "WeightNotFloatError",
     "WeightNotParamStateError",
 ]
 
@@ -51,6 +53,26 @@ class StateNotInitializedError(CompilationError):
 
 class ParamStateWriteError(NotSupportedError):
     """The step writes a `brainstate.ParamState`; weights must be constant within a step."""
+
+
+class StateShapeChangedError(CompilationError):
+    """The step gives a state a new value of another shape or dtype than its current one.
+
+    A state's shape and dtype must stay the same from step to step. The usual cause
+    is a model whose states were initialised without a batch axis
+    (``brainstate.nn.init_all_states(model)``) but stepped with a batched input:
+    initialise with ``brainstate.nn.init_all_states(model, batch_size=B)`` instead.
+    """
+
+
+class WeightNotFloatError(NotSupportedError):
+    """A `brainstate.ParamState` used by the step holds a non-floating-point array.
+
+    Weights are what etrax differentiates, and integer or boolean arrays have no
+    gradient, so such a ParamState is refused rather than silently left untrained.
+    Keep integer tables (indices, masks, counters) in a plain ``brainstate.State`` or
+    ``ShortTermState``, or as a constant attribute of the module.
+    """
 
 
 class InputStructureError(CompilationError, TypeError):

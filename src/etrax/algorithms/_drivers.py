@@ -15,12 +15,24 @@ from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import ETraceGraph
 from ..executor import ModelState, StepJacobians
-from ..executor._state import fast_check_inputs, fast_check_state, flat_state, shape_dtype
+from ..executor._state import (
+    check_sequence_length,
+    fast_check_inputs,
+    fast_check_state,
+    flat_state,
+    shape_dtype,
+)
 from ..executor._step import _env, _forward_impl, _jacobians, _new_state, _step_impl, as_args
 from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, zeros_eff
 from ._kernels import instant_contribution
 from ._plan import plan_of
-from ._weights import add_param_grads, operand_values, operands_to_params, zeros_like_params
+from ._weights import (
+    add_param_grads,
+    operand_values,
+    operands_to_params,
+    uses_to_params,
+    zeros_like_params,
+)
 
 __all__ = ["bptt_grad", "online_grad"]
 
@@ -36,31 +48,30 @@ def _step_grads(
     x: Any,
     target: Any,
     loss_fn: LossFn,
-    pi_paths: tuple[Path, ...],
-) -> tuple[
-    Array, ModelState, StepJacobians, tuple[Array, ...], tuple[Array, ...], dict[Path, PyTree]
-]:
+) -> tuple[Array, ModelState, StepJacobians, tuple[Array, ...], tuple[Array, ...], list[Array]]:
+    """One step: the loss, the new state, the Jacobians, ``∂L/∂h^t`` and the direct
+    ``∂L/∂h^{t-1}`` per group, and the instantaneous gradient of each injected use."""
     mi = graph.module_info
     hp = graph.hidden_perturb
     assert hp is not None
-    arg_leaves = jax.tree.leaves(as_args(graph, x))
+    flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
 
-    def f(perturbs: list[Array], olds: list[Array], pi: dict[Path, PyTree]) -> Any:
-        params = PathDict((p, pi.get(p, v)) for p, v in state.params.items())
-        flat = [*arg_leaves, *flat_state(graph, ModelState(params, state.hidden, state.other))]
-        out, hidden, other, hoisted = mi.split_outputs(hp.eval_jaxpr(flat, perturbs, olds))
-        return out, (hidden, other, hoisted, flat)
+    def f(perturbs: list[Array], olds: list[Array], deltas: list[Array]) -> Any:
+        out, hidden, other, hoisted = mi.split_outputs(
+            hp.eval_jaxpr(flat, perturbs, olds, deltas)
+        )
+        return out, (hidden, other, hoisted)
 
     zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
-    pi = {p: state.params[p] for p in pi_paths}
-    out, vjp_fn, (hidden, other, hoisted, flat) = jax.vjp(f, zeros, zeros, pi, has_aux=True)
+    deltas = _zero_uses(graph, state)
+    out, vjp_fn, (hidden, other, hoisted) = jax.vjp(f, zeros, zeros, deltas, has_aux=True)
     loss, cot = jax.value_and_grad(loss_fn)(out, target)
-    g_pert, g_old, g_pi = vjp_fn(cot)
+    g_pert, g_old, g_use = vjp_fn(cot)
     groups = graph.hidden_groups
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
     olds = tuple(hp.perturb_data_to_hidden_group_data(g_old, groups))
     jac = _jacobians(graph, _env(graph, flat, hidden, hoisted))
-    return loss, _new_state(graph, state, hidden, other), jac, signals, olds, g_pi
+    return loss, _new_state(graph, state, hidden, other), jac, signals, olds, list(g_use)
 
 
 def _overlap(
@@ -90,14 +101,17 @@ def _finish(
     params: Mapping[Path, PyTree],
     weights: Weights,
     acc_eff: EffGrads,
-    acc_pi: Mapping[Path, PyTree],
+    acc_uses: list[Array],
 ) -> PathDict[PyTree]:
     traced = operands_to_params(graph, acc_eff, params, weights)
-    return add_param_grads(traced, acc_pi)
+    instant = uses_to_params(graph, plan_of(graph).instant_uses, acc_uses, params)
+    return add_param_grads(traced, instant)
 
 
-def _zero_pi(state: ModelState, pi_paths: tuple[Path, ...]) -> dict[Path, PyTree]:
-    return {p: jax.tree.map(jnp.zeros_like, state.params[p]) for p in pi_paths}
+def _zero_uses(graph: ETraceGraph, state: ModelState) -> list[Array]:
+    """Zero gradients of the injected uses' weight values (varying like the state)."""
+    zeros = [jnp.zeros(u.shape, u.dtype) for u in plan_of(graph).instant_uses]
+    return list(vary_tree(zeros, state))
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -141,8 +155,6 @@ def _online_impl(
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     if window is not None:
         return _window_impl(graph, loss_fn, window, algo, state, traces, xs, targets)
-    plan = plan_of(graph)
-    pi_paths = plan.instant_params
     weights = operand_values(graph, state.params)
     T = jax.tree.leaves(xs)[0].shape[0]
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
@@ -153,7 +165,7 @@ def _online_impl(
     def signal_step(carry: Any, inp: Any) -> Any:
         st, acc_pi, acc_sub = carry
         x, tgt = inp
-        loss, st, jac, sig, old, g_pi = _step_grads(graph, st, x, tgt, loss_fn, pi_paths)
+        loss, st, jac, sig, old, g_pi = _step_grads(graph, st, x, tgt, loss_fn)
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
         return (st, _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old)
 
@@ -169,7 +181,7 @@ def _online_impl(
             acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, sig, weights))
             return (st, tr, acc_eff, acc_pi, acc_sub), loss
 
-        init = vary_tree((state, traces, zeros, _zero_pi(state, pi_paths), zeros), state, xs)
+        init = vary_tree((state, traces, zeros, _zero_uses(graph, state), zeros), state, xs)
         (state, traces, acc_eff, acc_pi, acc_sub), losses = jax.lax.scan(body, init, (xs, targets))
     else:
 
@@ -181,7 +193,7 @@ def _online_impl(
             tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
             return (st, tr, add_eff(acc_eff, g), acc_pi, acc_sub), loss
 
-        carry = vary_tree((state, traces, zeros, _zero_pi(state, pi_paths), zeros), state, xs)
+        carry = vary_tree((state, traces, zeros, _zero_uses(graph, state), zeros), state, xs)
         carry, losses = _scan_blocks(chunk_body, carry, (xs, targets), K, T)
         state, traces, acc_eff, acc_pi, acc_sub = carry
     grads = _finish(graph, state.params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
@@ -264,6 +276,7 @@ def _check_sequences(graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn)
             + ", ".join(shown)
         )
     (T,) = lengths
+    check_sequence_length(T)
     fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
     return T
 
@@ -278,9 +291,30 @@ def _step_structs(seq: Any) -> Any:
     return jax.tree.map(one, seq)
 
 
+def _fits_targets_like(loss_fn: LossFn, y: Any) -> bool:
+    """Whether `loss_fn` traces with targets shaped exactly like the outputs `y`.
+
+    Used after `loss_fn` failed for the given targets with a `TypeError` or
+    `ValueError`: if it works for targets shaped like `y_t`, the given targets'
+    shape or structure is to blame; otherwise the failure is the loss's own.
+    """
+    try:
+        jax.eval_shape(loss_fn, y, y)
+    except Exception:  # any failure means the targets are not what is wrong
+        return False
+    return True
+
+
 def _check_loss(
     graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn
 ) -> None:
+    """Check that `loss_fn` maps one step's output and target to a float scalar.
+
+    A `TypeError` or `ValueError` that `loss_fn` raises only because of the targets'
+    shape or structure (it traces with targets shaped like ``y_t``) becomes a
+    `StepInputError`; any other exception from `loss_fn` is the user's own and
+    propagates unchanged.
+    """
     if not callable(loss_fn):
         raise TypeError(
             f"loss_fn must be callable as loss_fn(y_t, target_t), got {type(loss_fn).__name__}"
@@ -290,7 +324,9 @@ def _check_loss(
     y = jax.eval_shape(lambda s, x: _forward_impl(graph, s, as_args(graph, x))[0], state, first)
     try:
         out = jax.eval_shape(loss_fn, y, target0)
-    except Exception as err:
+    except (TypeError, ValueError) as err:
+        if not _fits_targets_like(loss_fn, y):
+            raise  # a failure of loss_fn itself, not of these targets: propagate it unchanged
         raise StepInputError(
             f"loss_fn(y_t, target_t) failed for y_t {jax.tree.map(lambda a: a.shape, y)} and "
             f"target_t {jax.tree.map(lambda a: a.shape, target0)}: {type(err).__name__}: "
@@ -366,6 +402,11 @@ def online_grad(
 
     **Returns:** ``(grads, aux)``: `grads` is a `PathDict` shaped like
     ``state.params``; `aux` has ``losses`` ``(T,)``, the final ``state`` and ``traces``.
+
+    **Raises:** `StepInputError` before tracing for an empty sequence (``T = 0``),
+    inputs or targets that do not fit the graph, or targets whose shape or structure
+    `loss_fn` cannot take. An exception raised by `loss_fn` itself propagates
+    unchanged.
     """
     if not isinstance(algo, OnlineAlgorithm):
         raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
@@ -423,6 +464,8 @@ def bptt_grad(
     against. Same data contracts as `online_grad`; memory grows with the length.
 
     **Returns:** ``(grads, aux)`` with ``aux['losses']`` and the final ``aux['state']``.
+
+    **Raises:** as `online_grad`.
     """
     fast_check_state(graph, state)
     _check_sequences(graph, xs, targets, loss_fn)

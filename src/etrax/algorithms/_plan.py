@@ -2,8 +2,8 @@
 
 A *slot* is one (relation, connected group) pair: one eligibility trace. The plan
 records, per slot, how the trace is shaped and whether the op's rules factorise
-(so fused kernels apply), and, per graph, which parameters learn from the
-exact instantaneous gradient (`instant_params`).
+(so fused kernels apply), and, per graph, which parameter uses add their
+exact instantaneous gradient (`instant_uses`).
 """
 
 from collections.abc import Mapping
@@ -14,8 +14,8 @@ import numpy as np
 
 from .._compat import shape_struct, struct_of
 from .._errors import CompilationError
-from .._typing import Path, Shape
-from ..compiler import ETraceGraph, HiddenParamOpRelation, WeightRule
+from .._typing import Shape
+from ..compiler import ETraceGraph, HiddenParamOpRelation, ParamUse, UseRule
 from ..ops import ETPRules
 
 __all__ = ["Plan", "Slot", "plan_of"]
@@ -92,25 +92,20 @@ class Plan:
             None if rel.x_var is None else struct_of(table.var(rel.x_var))
             for rel in graph.hidden_param_op_relations
         )
-        rules = graph.weight_rules()
-        traced_routes = {
-            p
-            for rel in graph.hidden_param_op_relations
-            if rel.untraced_routes
-            for p in rel.weight_paths
-        }
-        self.instant_params: tuple[Path, ...] = tuple(
-            p
-            for p in graph.module_info.weight_paths
-            if rules[p].rule is not WeightRule.TRACED or rules[p].plain_use or p in traced_routes
+        hp = graph.hidden_perturb
+        self.instant_uses: tuple[ParamUse, ...] = (
+            () if hp is None else tuple(graph.param_uses[i] for i in hp.use_indices)
         )
-        pi = set(self.instant_params)
-        # relations whose within-step traced contribution is also inside the
+        # relations whose within-step traced contribution is also inside an
         # instantaneous gradient (it must be subtracted once)
         self.overlap: tuple[int, ...] = tuple(
-            rel.index
-            for rel in graph.hidden_param_op_relations
-            if any(p in pi for p in rel.weight_paths)
+            sorted(
+                {
+                    u.relation
+                    for u in graph.param_uses
+                    if u.rule is UseRule.PARTLY_TRACED and u.relation is not None
+                }
+            )
         )
 
 

@@ -1,12 +1,15 @@
 """ES-D-RTRL / pp-prop: input and output traces instead of per-parameter traces."""
 
+import numbers
+import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+import numpy as np
+from jaxtyping import Array, Int, ScalarLike
 
 from .._typing import PyTree
 from ..compiler import ETraceGraph
@@ -40,14 +43,38 @@ class PPTraces(eqx.Module):
     count: Int[Array, ""]
 
 
-def _decay_from(decay: float | int) -> float:
-    if isinstance(decay, bool):
-        raise TypeError("PPProp: decay must be a float in [0, 1) or an integer rank >= 1")
-    if isinstance(decay, int):
-        if decay < 1:
-            raise ValueError(f"PPProp: an integer rank must be >= 1, got {decay}")
-        return (decay - 1) / (decay + 1)
-    return float(decay)
+def _scalar(value: object) -> object:
+    """A 0-d NumPy or JAX array as its Python scalar; anything else unchanged."""
+    if isinstance(value, np.ndarray | jax.Array) and value.shape == ():
+        return value.item()
+    return value
+
+
+def _decay_from(decay: ScalarLike) -> float:
+    """`decay` as a Python float: an integer rank ``r`` (a Python or NumPy integer, or a
+    0-d integer array) becomes ``(r − 1)/(r + 1)``; a real number is taken as is."""
+    value = _scalar(decay)
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            "PPProp: decay must be a float in [0, 1) or an integer rank >= 1 (Python or "
+            f"NumPy numbers), got {type(decay).__name__} {decay!r}"
+        )
+    if isinstance(value, numbers.Integral):
+        rank = int(value)
+        if rank < 1:
+            raise ValueError(f"PPProp: an integer rank must be >= 1, got {rank}")
+        return (rank - 1) / (rank + 1)
+    return float(value)
+
+
+def _steps_from(steps: SupportsIndex) -> int:
+    """`chunk_steps` as a Python int (NumPy integers accepted)."""
+    if isinstance(steps, bool | np.bool_) or not isinstance(_scalar(steps), numbers.Integral):
+        raise TypeError(
+            "PPProp: chunk_steps must be a positive int (Python or NumPy integer), got "
+            f"{type(steps).__name__} {steps!r}"
+        )
+    return operator.index(steps)
 
 
 class PPProp(OnlineAlgorithm):
@@ -61,12 +88,20 @@ class PPProp(OnlineAlgorithm):
     **Arguments:**
 
     - `decay`: ``a`` in ``[0, 1)``; an integer rank ``r ≥ 1`` means ``a = (r − 1)/(r + 1)``.
+      Python or NumPy numbers (``np.int64(2)``, ``np.float32(0.5)``) are accepted and
+      stored as a Python ``float``; strings and bools are refused with a `TypeError`.
     - `chunk_steps`: steps whose gradient contractions run as one stacked product
-      (``1``: per step). Equal results; on CPU the stacked form rarely pays off.
+      (``1``: per step). Equal results; on CPU the stacked form rarely pays off. A
+      positive Python or NumPy integer.
     """
 
-    decay: float = eqx.field(static=True, default=0.9, converter=_decay_from)
-    chunk_steps: int = eqx.field(static=True, default=1)
+    decay: float = eqx.field(static=True)
+    chunk_steps: int = eqx.field(static=True)
+
+    def __init__(self, decay: ScalarLike = 0.9, chunk_steps: SupportsIndex = 1) -> None:
+        # NumPy numbers become Python ones, so equal settings share one jit cache entry.
+        self.decay = _decay_from(decay)
+        self.chunk_steps = _steps_from(chunk_steps)
 
     def __check_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:

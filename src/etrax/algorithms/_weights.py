@@ -15,9 +15,15 @@ from jaxtyping import Array
 
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
-from ..compiler import ETraceGraph
+from ..compiler import ETraceGraph, ParamUse
 
-__all__ = ["add_param_grads", "operand_values", "operands_to_params", "zeros_like_params"]
+__all__ = [
+    "add_param_grads",
+    "operand_values",
+    "operands_to_params",
+    "uses_to_params",
+    "zeros_like_params",
+]
 
 EffGrads = tuple[dict[str, Array], ...]
 
@@ -88,5 +94,36 @@ def operands_to_params(
     for p, v in grads.items():
         leaves, treedef = jax.tree.flatten(v)
         new = [leaf_grads.get((p, i), leaf) for i, leaf in enumerate(leaves)]
+        out[p] = jax.tree.unflatten(treedef, new)
+    return out
+
+
+def uses_to_params(
+    graph: ETraceGraph,
+    uses: Sequence[ParamUse],
+    grads: Sequence[Array],
+    params: Mapping[Path, PyTree],
+) -> PathDict[PyTree]:
+    """Pull gradients with respect to the weight values that `uses` read back to the
+    parameters (through each use's weight program), summed per leaf."""
+    leaf_grads: dict[tuple[Path, int], Array] = {}
+    for use, g in zip(uses, grads, strict=True):
+        leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
+        consts = _consts(graph, use.consts)
+
+        def program(*ls: Array, _u: ParamUse = use, _c: Sequence[Any] = consts) -> Array:
+            (value,) = _u.program(*_c, *ls)
+            return value  # type: ignore[no-any-return]
+
+        _, vjp = jax.vjp(program, *leaves)
+        for key, lg in zip(use.param_leaves, vjp(g.astype(use.dtype)), strict=True):
+            leaf_grads[key] = leaf_grads[key] + lg if key in leaf_grads else lg
+    out = PathDict[PyTree]()
+    for p, v in params.items():
+        leaves, treedef = jax.tree.flatten(v)
+        new = [
+            leaf_grads[(p, i)] if (p, i) in leaf_grads else jnp.zeros_like(leaf)
+            for i, leaf in enumerate(leaves)
+        ]
         out[p] = jax.tree.unflatten(treedef, new)
     return out

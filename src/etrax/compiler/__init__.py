@@ -1,14 +1,8 @@
 """The eligibility-trace compiler: ``compose(extract, group, relate, rewrite, perturb)``."""
 
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
-from ._graph import (
-    ETraceGraph,
-    WeightRule,
-    WeightStatus,
-    compile_etrace_graph,
-    compose,
-    perturb,
-)
+from ._compile import compile_etrace_graph, compose
+from ._graph import ETraceGraph, WeightRule, WeightStatus
 from ._group import (
     GroupedModule,
     HiddenGroup,
@@ -19,10 +13,11 @@ from ._group import (
 from ._jaxpr import Program
 from ._module_info import ModuleInfo, StateInfo, StateKind, extract, extract_module_info
 from ._perturb import (
-    HiddenPerturbation,
     add_hidden_perturbation_from_minfo,
     add_hidden_perturbation_in_module,
+    perturb,
 )
+from ._perturbation import HiddenPerturbation
 from ._relate import (
     HiddenParamOpRelation,
     RelatedModule,
@@ -34,6 +29,7 @@ from ._relate import (
 )
 from ._report import CompilationReport
 from ._rewrite import RewrittenModule, rewrite
+from ._uses import ParamUse, UseRule
 
 __all__ = [
     "CompilationRecord",
@@ -46,6 +42,7 @@ __all__ = [
     "HiddenParamOpRelation",
     "HiddenPerturbation",
     "ModuleInfo",
+    "ParamUse",
     "Program",
     "RelatedModule",
     "RelationTail",
@@ -53,6 +50,7 @@ __all__ = [
     "StateInfo",
     "StateKind",
     "TrainableOperand",
+    "UseRule",
     "WeightRule",
     "WeightStatus",
     "add_hidden_perturbation_from_minfo",

@@ -12,7 +12,7 @@ Transitions, tails, the perturbation and group membership all use this single
 boundary notion, so they agree by construction.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._compat import JaxprEqn, Var, aval_of
@@ -22,7 +22,7 @@ from ._jaxpr import VarTable
 from ._module_info import ModuleInfo
 from ._positions import AlignMap, Mixed, analyse, identity_align, positions_rule
 
-__all__ = ["StepAnalysis", "analyse_step", "is_boundary_equation"]
+__all__ = ["Analyses", "StepAnalysis", "analyse_step", "is_boundary_equation"]
 
 
 def _no_recurse(body: object, maps: Sequence[AlignMap]) -> list[AlignMap]:  # pragma: no cover
@@ -45,9 +45,16 @@ def is_boundary_equation(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> bool:
     return False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepAnalysis:
-    """Result of `analyse_step` (a transient helper; never stored in artifacts)."""
+    """The data-flow analysis of a step, seen from one set of cut variables.
+
+    `cuts` are new values of hidden groups that are *linked* to the group this
+    analysis serves (groups of other shapes that feed it within the step): routes
+    through them count as crossing a boundary, exactly like a stacked layer.
+    Identity equality: an analysis is derived data, carried between stages but
+    never part of the final graph's identity.
+    """
 
     table: VarTable
     maps: dict[Var, AlignMap]
@@ -55,17 +62,30 @@ class StepAnalysis:
     hidden_sources: dict[Path, int]
     etp_equations: tuple[int, ...]
     y_sources: dict[int, int]
+    cuts: frozenset[Var] = frozenset()
 
     def derived_from(self, var: object, sources: set[int]) -> bool:
-        m = self.maps.get(var, {}) if isinstance(var, Var) else {}
+        m = self.maps.get(var, {}) if isinstance(var, Var) and var not in self.cuts else {}
         return any(s in sources for s in m)
 
     def equation_derives(self, index: int, sources: set[int]) -> bool:
         eqn = self.table.jaxpr.eqns[index]
         return any(self.derived_from(v, sources) for v in eqn.invars)
 
+    def slice_filter(self, sources: set[int]) -> Callable[[int], bool]:
+        """The equations a transition or tail from `sources` keeps: not boundaries,
+        derived from the sources, and not producing a cut variable."""
+        jaxpr = self.table.jaxpr
 
-def analyse_step(minfo: ModuleInfo) -> StepAnalysis:
+        def keep(i: int) -> bool:
+            if i in self.boundaries or not self.equation_derives(i, sources):
+                return False
+            return not any(v in self.cuts for v in jaxpr.eqns[i].outvars)
+
+        return keep
+
+
+def analyse_step(minfo: ModuleInfo, cuts: frozenset[Var] = frozenset()) -> StepAnalysis:
     """Run the position/data-flow analysis over a step (deterministic)."""
     table = VarTable(minfo.jaxpr)
     seeds: dict[Var, AlignMap] = {}
@@ -85,7 +105,7 @@ def analyse_step(minfo: ModuleInfo) -> StepAnalysis:
         if isinstance(y, Var):
             seeds.setdefault(y, {})[src] = identity_align(tuple(aval_of(y).shape))
     maps, boundaries = analyse(
-        minfo.jaxpr, seeds, lambda i, eqn, in_maps: is_boundary_equation(eqn, in_maps)
+        minfo.jaxpr, seeds, lambda i, eqn, in_maps: is_boundary_equation(eqn, in_maps), cuts
     )
     return StepAnalysis(
         table=table,
@@ -94,4 +114,18 @@ def analyse_step(minfo: ModuleInfo) -> StepAnalysis:
         hidden_sources=hidden_sources,
         etp_equations=etp,
         y_sources=y_sources,
+        cuts=cuts,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class Analyses:
+    """The analyses of a step: one shared `base`, plus one per *linked* hidden group
+    (keyed by group index) whose routes through its linked groups' new values are cut.
+    Computed once by `group` and passed forward to `relate`, `rewrite` and `perturb`."""
+
+    base: StepAnalysis
+    per_group: dict[int, StepAnalysis]
+
+    def for_group(self, index: int) -> StepAnalysis:
+        return self.per_group.get(index, self.base)

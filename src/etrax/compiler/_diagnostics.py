@@ -31,6 +31,7 @@ class DiagnosticKind(enum.StrEnum):
     # relations
     RELATION_INCLUDED = "relation_included"
     RELATION_PARTIAL_PATH = "relation_partial_path"
+    RELATION_UNTRACED_ROUTE = "relation_untraced_route"
     RELATION_EXCLUDED_WEIGHT_TO_WEIGHT = "relation_excluded_weight_to_weight"
     RELATION_EXCLUDED_NON_TEMPORAL = "relation_excluded_non_temporal"
     RELATION_EXCLUDED_SHAPE_MISMATCH = "relation_excluded_shape_mismatch"
@@ -50,6 +51,7 @@ class DiagnosticKind(enum.StrEnum):
     STATE_MISMATCH = "state_mismatch"
     DYNAMIC_STATE = "dynamic_state"
     PARAM_STATE_WRITE = "param_state_write"
+    WEIGHT_NOT_FLOAT = "weight_not_float"
     PRIMITIVE_INSIDE_CONTROL_FLOW = "primitive_inside_control_flow"
     WEIGHT_OPERAND_NOT_STATIC = "weight_operand_not_static"
 

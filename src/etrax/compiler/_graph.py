@@ -1,38 +1,31 @@
-"""The compiled `ETraceGraph`, the final `perturb` stage, and the pipeline itself:
-``compile_etrace_graph = compose(extract, group, relate, rewrite, perturb)``."""
+"""The compiled `ETraceGraph`: the artifact every later layer reads."""
 
 import enum
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import brainstate
 import equinox as eqx
 
 from .._frozen import FrozenDict
 from .._typing import Path, PyTree, VarId
-from ._diagnostics import EXCLUSION_KINDS, CompilationRecord, DiagnosticKind, DiagnosticLevel
-from ._group import HiddenGroup, group
-from ._module_info import ModuleInfo, extract
-from ._perturb import HiddenPerturbation, add_hidden_perturbation_from_minfo
-from ._relate import HiddenParamOpRelation, relate
-from ._rewrite import RewrittenModule, rewrite
+from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
+from ._group import HiddenGroup
+from ._module_info import ModuleInfo
+from ._perturbation import HiddenPerturbation
+from ._relate import HiddenParamOpRelation
+from ._uses import ParamUse, UseRule
 
-__all__ = [
-    "ETraceGraph",
-    "WeightRule",
-    "WeightStatus",
-    "compile_etrace_graph",
-    "compose",
-    "perturb",
-]
+__all__ = ["ETraceGraph", "WeightRule", "WeightStatus"]
 
 
 class WeightRule(enum.Enum):
-    """How a parameter learns under an online algorithm."""
+    """How a parameter learns under an online algorithm (summary of its uses)."""
 
     TRACED = "traced"
-    """Traced through time by one or more relations (plus any instantaneous part)."""
+    """Every use is traced through time by a relation."""
+    PARTLY_TRACED = "partly_traced"
+    """Some use is traced; the other uses (or connections) add their exact
+    instantaneous gradient."""
     INSTANTANEOUS = "instantaneous"
     """Learns from its exact instantaneous gradient each step, not through time."""
     UNUSED = "unused"
@@ -40,13 +33,24 @@ class WeightRule(enum.Enum):
 
 
 class WeightStatus(eqx.Module):
-    """Why and how one ParamState learns (see `ETraceGraph.weight_rules`)."""
+    """Why and how one ParamState learns (see `ETraceGraph.weight_rules`).
+
+    **Arguments:**
+
+    - `path`: the ParamState.
+    - `rule`: the summary `WeightRule` of its uses.
+    - `reason`: why (part of) it is not traced, if so (the first untraced use's reason).
+    - `relations`: the relations tracing it.
+    - `plain_use`: whether a plain JAX operation reads it.
+    - `uses`: every `ParamUse` reading it, each with its own `UseRule`.
+    """
 
     path: Path = eqx.field(static=True)
     rule: WeightRule = eqx.field(static=True)
     reason: DiagnosticKind | None = eqx.field(static=True)
     relations: tuple[int, ...] = eqx.field(static=True)
     plain_use: bool = eqx.field(static=True)
+    uses: tuple[ParamUse, ...] = eqx.field(static=True, default=())
 
 
 class ETraceGraph(eqx.Module):
@@ -62,6 +66,7 @@ class ETraceGraph(eqx.Module):
     - `hidden_param_op_relations`: the `HiddenParamOpRelation`s, in step order.
     - `hidden_perturb`: the `HiddenPerturbation`, or `None` if not requested.
     - `diagnostics`: every `CompilationRecord`, in emission order.
+    - `param_uses`: every use of every ParamState, with its `UseRule`.
     """
 
     module_info: ModuleInfo
@@ -69,6 +74,7 @@ class ETraceGraph(eqx.Module):
     hidden_param_op_relations: tuple[HiddenParamOpRelation, ...]
     hidden_perturb: HiddenPerturbation | None
     diagnostics: tuple[CompilationRecord, ...] = eqx.field(static=True)
+    param_uses: tuple[ParamUse, ...] = eqx.field(static=True, default=())
 
     def __hash__(self) -> int:
         cached = self.__dict__.get("_etrax_hash")
@@ -80,6 +86,7 @@ class ETraceGraph(eqx.Module):
                     self.hidden_param_op_relations,
                     self.hidden_perturb,
                     self.diagnostics,
+                    self.param_uses,
                 )
             )
             object.__setattr__(self, "_etrax_hash", cached)
@@ -96,6 +103,7 @@ class ETraceGraph(eqx.Module):
             and self.hidden_param_op_relations == other.hidden_param_op_relations
             and self.hidden_perturb == other.hidden_perturb
             and self.diagnostics == other.diagnostics
+            and self.param_uses == other.param_uses
         )
 
     def __check_init__(self) -> None:
@@ -148,49 +156,15 @@ class ETraceGraph(eqx.Module):
         return tuple(out)
 
     def weight_rules(self) -> dict[Path, WeightStatus]:
-        """For every ParamState of the model, how it learns and why."""
-        traced: dict[Path, list[int]] = {}
-        for rel in self.hidden_param_op_relations:
-            for p in rel.weight_paths:
-                traced.setdefault(p, []).append(rel.index)
-        plain = {
-            r.weight_path for r in self.diagnostics if r.kind is DiagnosticKind.WEIGHT_PLAIN_USE
-        }
-        paths = list(self.module_info.weight_paths)
+        """For every ParamState of the model, how it learns and why, use by use."""
+        uses: dict[Path, list[ParamUse]] = {p: [] for p in self.module_info.weight_paths}
+        for u in self.param_uses:
+            for p in u.paths:
+                uses.setdefault(p, []).append(u)
         for r in self.diagnostics:
-            if (
-                r.kind is DiagnosticKind.STATE_MISMATCH
-                and r.weight_path is not None
-                and r.weight_path not in paths
-            ):
-                paths.append(r.weight_path)
-        out: dict[Path, WeightStatus] = {}
-        for p in paths:
-            if p in traced:
-                out[p] = WeightStatus(
-                    path=p,
-                    rule=WeightRule.TRACED,
-                    reason=None,
-                    relations=tuple(traced[p]),
-                    plain_use=p in plain,
-                )
-                continue
-            reason = None
-            for r in self.diagnostics:
-                if r.kind in EXCLUSION_KINDS and (
-                    r.weight_path == p or p in r.context_dict.get("weight_paths", ())
-                ):
-                    reason = r.kind
-                    break
-            unused = reason is DiagnosticKind.STATE_MISMATCH
-            out[p] = WeightStatus(
-                path=p,
-                rule=WeightRule.UNUSED if unused else WeightRule.INSTANTANEOUS,
-                reason=reason,
-                relations=(),
-                plain_use=p in plain,
-            )
-        return out
+            if r.kind is DiagnosticKind.STATE_MISMATCH and r.weight_path is not None:
+                uses.setdefault(r.weight_path, [])
+        return {p: _status(p, us) for p, us in uses.items()}
 
     def report(self) -> "Any":
         """The `CompilationReport` of this graph."""
@@ -254,67 +228,25 @@ class ETraceGraph(eqx.Module):
         }
 
 
-def perturb(rewritten: RewrittenModule, *, enabled: bool = True) -> ETraceGraph:
-    """Add the hidden perturbation and assemble the `ETraceGraph` (stage 5).
-
-    With ``enabled=False`` the graph has ``hidden_perturb=None``.
-    """
-    hp = add_hidden_perturbation_from_minfo(rewritten.module_info) if enabled else None
-    return ETraceGraph(
-        module_info=rewritten.module_info,
-        hidden_groups=rewritten.hidden_groups,
-        hidden_param_op_relations=rewritten.hidden_param_op_relations,
-        hidden_perturb=hp,
-        diagnostics=rewritten.diagnostics,
+def _status(path: Path, uses: Sequence[ParamUse]) -> WeightStatus:
+    rules = {u.rule for u in uses}
+    if not uses:
+        rule = WeightRule.UNUSED
+    elif rules == {UseRule.TRACED}:
+        rule = WeightRule.TRACED
+    elif rules == {UseRule.INSTANTANEOUS}:
+        rule = WeightRule.INSTANTANEOUS
+    else:
+        rule = WeightRule.PARTLY_TRACED
+    reasons = [u.reason for u in uses if u.reason is not None]
+    if not uses:
+        reasons = [DiagnosticKind.STATE_MISMATCH]
+    return WeightStatus(
+        path=path,
+        rule=rule,
+        reason=reasons[0] if reasons else None,
+        relations=tuple(dict.fromkeys(u.relation for u in uses if u.relation is not None)),
+        plain_use=any(u.reason is DiagnosticKind.WEIGHT_PLAIN_USE for u in uses),
+        uses=tuple(uses),
     )
 
-
-def compose(*stages: Callable[..., Any]) -> Callable[..., Any]:
-    """Chain stages: the first receives the call's arguments, each next one the
-    previous result. ``compose(f, g, h)(*a) == h(g(f(*a)))``."""
-    if not stages:
-        raise ValueError("compose needs at least one stage")
-
-    def composed(*args: Any) -> Any:
-        out = stages[0](*args)
-        for stage in stages[1:]:
-            out = stage(out)
-        return out
-
-    composed.__doc__ = " → ".join(getattr(s, "__name__", repr(s)) for s in stages)
-    return composed
-
-
-def compile_etrace_graph(
-    model: brainstate.nn.Module, *args: Any, include_hidden_perturb: bool = True
-) -> ETraceGraph:
-    """Compile a model's one-step ``update`` into an `ETraceGraph`.
-
-    Runs ``compose(extract, group, relate, rewrite, perturb)``: every stage is a pure
-    function of the previous stage's frozen output and returns its diagnostics as
-    data (``graph.diagnostics``, ``graph.explain()``).
-
-    **Arguments:**
-
-    - `model`: a `brainstate.nn.Module` with initialised states.
-    - `*args`: example positional inputs of one step.
-    - `include_hidden_perturb`: also build the perturbed step that yields
-      ``∂L/∂h^t`` (needed by single-step online learning).
-
-    **Returns:** the `ETraceGraph`.
-
-    !!! Example
-
-        ```python
-        gru = etrax.nn.GRUCell(3, 4)
-        brainstate.nn.init_all_states(gru)
-        graph = etrax.compile_etrace_graph(gru, jnp.zeros(3))
-        print(graph.report())
-        ```
-    """
-    pipeline = compose(
-        extract, group, relate, rewrite, functools.partial(perturb, enabled=include_hidden_perturb)
-    )
-    graph = pipeline(model, *args)
-    assert isinstance(graph, ETraceGraph)
-    return graph

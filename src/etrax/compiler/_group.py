@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._compat import vary_like
+from .._compat import Var, vary_like
 from .._typing import Path, Shape, VarId
-from ._analysis import StepAnalysis, analyse_step
+from ._analysis import Analyses, StepAnalysis, analyse_step
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
-from ._jaxpr import Program, slice_program
+from ._jaxpr import Program, forward_closure, slice_program
 from ._module_info import ModuleInfo, StateInfo, extract
 from ._positions import Mixed, identity_align
 
@@ -53,6 +53,10 @@ class HiddenGroup(eqx.Module):
       apart; if not, `mixing_reason` says which operation mixes them.
     - `has_recurrence`: whether any new value depends on an old value through
       non-boundary computation (if not, ``D ≡ 0``).
+    - `link`: for a group *linked* to groups of other shapes (they feed each other
+      within the step), the index of that linked set; `None` otherwise.
+    - `cut_outvars`: `VarId`s of the linked groups' new values; routes through them
+      cross a boundary, like a stacked layer's.
     """
 
     index: int = eqx.field(static=True)
@@ -68,6 +72,8 @@ class HiddenGroup(eqx.Module):
     is_diagonal_recurrence: bool = eqx.field(static=True)
     mixing_reason: str | None = eqx.field(static=True)
     has_recurrence: bool = eqx.field(static=True)
+    link: int | None = eqx.field(static=True, default=None)
+    cut_outvars: tuple[VarId, ...] = eqx.field(static=True, default=())
 
     def __check_init__(self) -> None:
         n = len(self.hidden_paths)
@@ -156,11 +162,12 @@ class HiddenGroup(eqx.Module):
 
 
 class GroupedModule(eqx.Module):
-    """Output of the `group` stage."""
+    """Output of the `group` stage (`analyses` is the step analysis, passed forward)."""
 
     module_info: ModuleInfo
     hidden_groups: tuple[HiddenGroup, ...]
     diagnostics: tuple[CompilationRecord, ...] = eqx.field(static=True)
+    analyses: Analyses = eqx.field(static=True)
 
     @property
     def hid_path_to_group(self) -> dict[Path, HiddenGroup]:
@@ -192,6 +199,7 @@ def _build_group(
     hidden: tuple[StateInfo, ...],
     an: StepAnalysis,
     minfo: ModuleInfo,
+    link: int | None,
 ) -> tuple[HiddenGroup, list[CompilationRecord]]:
     table = an.table
     infos = [hidden[m] for m in members]
@@ -225,7 +233,7 @@ def _build_group(
         table,
         inputs,
         outputs,
-        lambda i: i not in an.boundaries and an.equation_derives(i, sources),
+        an.slice_filter(sources),
     )
     grp = HiddenGroup(
         index=index,
@@ -241,6 +249,8 @@ def _build_group(
         is_diagonal_recurrence=mixing is None,
         mixing_reason=mixing,
         has_recurrence=recurrent,
+        link=link,
+        cut_outvars=tuple(sorted(table.ids[v] for v in an.cuts)),
     )
     if len(paths) > 1:
         records.append(
@@ -281,49 +291,100 @@ def _build_group(
     return grp, records
 
 
+def _state_edges(minfo: ModuleInfo, an: StepAnalysis) -> list[tuple[int, int]]:
+    """``(i, j)`` when hidden state ``j``'s new value depends, through non-boundary
+    computation, on ``i``'s old value, or on ``i``'s new value when their shapes differ."""
+    hidden = minfo.hidden_states
+    table = an.table
+    edges: list[tuple[int, int]] = []
+    new_of: dict[Var, int] = {}
+    for j, s in enumerate(hidden):
+        out = s.outvars[0]
+        if out is None:
+            continue
+        new_of.setdefault(table.var(out), j)
+        for src in an.maps.get(table.var(out), {}):
+            if src < len(hidden):
+                edges.append((src, j))
+    for v, i in new_of.items():
+        if v not in table.producer:
+            continue
+        for w in forward_closure(table, [v], lambda e: e not in an.boundaries) - {v}:
+            k = new_of.get(w)
+            if k is not None and hidden[k].varshape != hidden[i].varshape:
+                edges.append((i, k))
+    return edges
+
+
+def _member_lists(
+    minfo: ModuleInfo, an: StepAnalysis
+) -> tuple[list[list[int]], list[int | None], list[CompilationRecord]]:
+    """Members of each group (one group per shape of a connected set), the link index
+    of each group, and the records of linked sets."""
+    hidden = minfo.hidden_states
+    lists: list[tuple[list[int], int | None]] = []
+    records: list[CompilationRecord] = []
+    for comp in _components(len(hidden), _state_edges(minfo, an)):
+        by_shape: dict[Shape, list[int]] = {}
+        for m in comp:
+            by_shape.setdefault(hidden[m].varshape, []).append(m)
+        link = None
+        if len(by_shape) > 1:
+            link = comp[0]
+            paths = [hidden[m].path for m in comp]
+            records.append(
+                record(
+                    DiagnosticKind.GROUP_VARSHAPE_CONFLICT,
+                    DiagnosticLevel.WARNING,
+                    f"Hidden states {paths} feed each other within a step but have different "
+                    f"shapes {list(by_shape)}: they form one group per shape, joined like "
+                    "stacked layers. Within a step ∂L/∂h flows between them exactly; their "
+                    "dependence across steps is not traced, so online gradients through it "
+                    "are approximate for T > 1.",
+                    hidden_paths=paths,
+                    shapes=tuple(by_shape),
+                )
+            )
+        lists.extend((members, link) for members in by_shape.values())
+    lists.sort(key=lambda item: item[0][0])
+    return [m for m, _ in lists], [link for _, link in lists], records
+
+
 def group(minfo: ModuleInfo) -> GroupedModule:
     """Find the hidden groups of a traced step (stage 2).
 
     Group order follows the compiled order of each group's first member; member
     order follows compiled state order. Deterministic.
     """
-    an = analyse_step(minfo)
+    base = analyse_step(minfo)
     hidden = minfo.hidden_states
-    table = an.table
-    edges: list[tuple[int, int]] = []
-    for j, s in enumerate(hidden):
-        out = s.outvars[0]
-        if out is None:
-            continue
-        for src in an.maps.get(table.var(out), {}):
-            if src < len(hidden):
-                edges.append((src, j))
-    records: list[CompilationRecord] = list(minfo.diagnostics)
-    member_lists: list[list[int]] = []
-    for comp in _components(len(hidden), edges):
-        by_shape: dict[Shape, list[int]] = {}
-        for m in comp:
-            by_shape.setdefault(hidden[m].varshape, []).append(m)
-        if len(by_shape) > 1:
-            records.append(
-                record(
-                    DiagnosticKind.GROUP_VARSHAPE_CONFLICT,
-                    DiagnosticLevel.WARNING,
-                    "Hidden states "
-                    f"{[hidden[m].path for m in comp]} update each other but have different "
-                    f"shapes {list(by_shape)}; they are split into one group per shape and the "
-                    "dependence between those groups is not traced (approximate).",
-                    hidden_paths=[hidden[m].path for m in comp],
-                )
-            )
-        member_lists.extend(by_shape.values())
-    member_lists.sort(key=lambda members: members[0])
+    member_lists, links, records = _member_lists(minfo, base)
+    records = [*minfo.diagnostics, *records]
+    new_vars = [
+        [base.table.var(vid) for vid in (hidden[m].outvars[0] for m in ms) if vid is not None]
+        for ms in member_lists
+    ]
+    per_group: dict[int, StepAnalysis] = {}
     groups: list[HiddenGroup] = []
-    for members in member_lists:
-        grp, recs = _build_group(len(groups), members, hidden, an, minfo)
+    for index, (members, link) in enumerate(zip(member_lists, links, strict=True)):
+        an = base
+        if link is not None:
+            cuts = frozenset(
+                v
+                for other, (vs, lk) in enumerate(zip(new_vars, links, strict=True))
+                if lk == link and other != index
+                for v in vs
+            )
+            an = per_group[index] = analyse_step(minfo, cuts)
+        grp, recs = _build_group(index, members, hidden, an, minfo, link)
         groups.append(grp)
         records.extend(recs)
-    return GroupedModule(module_info=minfo, hidden_groups=tuple(groups), diagnostics=tuple(records))
+    return GroupedModule(
+        module_info=minfo,
+        hidden_groups=tuple(groups),
+        diagnostics=tuple(records),
+        analyses=Analyses(base, per_group),
+    )
 
 
 def find_hidden_groups_from_minfo(

@@ -31,6 +31,8 @@ from .._errors import (
     ParamStateWriteError,
     RecursiveCompileError,
     StateNotInitializedError,
+    StateShapeChangedError,
+    WeightNotFloatError,
 )
 from .._typing import Path, PyTree, Shape, VarId
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
@@ -382,6 +384,97 @@ def _check_no_nested_etp(closed: ClosedJaxpr, records: list[CompilationRecord]) 
                 )
 
 
+def _leaf_names(value: PyTree) -> list[str]:
+    """``''`` for a single-array value, else each leaf's key path (``"['weight']"``)."""
+    leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+    if len(leaves) == 1 and not leaves[0][0]:
+        return [""]
+    return [jax.tree_util.keystr(kp) for kp, _ in leaves]
+
+
+def _check_state_avals(
+    model_name: str,
+    closed: ClosedJaxpr,
+    states: Sequence[brainstate.State[Any]],
+    paths: Sequence[Path],
+    num_in: int,
+    num_out: int,
+    records: Sequence[CompilationRecord],
+) -> None:
+    """Refuse a step whose new value of a state differs in shape or dtype from the old."""
+    invars = closed.jaxpr.invars
+    outvars = closed.jaxpr.outvars
+    pos_in, pos_out = num_in, num_out
+    for st, p in zip(states, paths, strict=True):
+        names = _leaf_names(st.value)
+        n = len(names)
+        olds = [v.aval for v in invars[pos_in : pos_in + n]]
+        news = [v.aval for v in outvars[pos_out : pos_out + n]]
+        pos_in += n
+        pos_out += n
+        for name, old, new in zip(names, olds, news, strict=True):
+            if old.shape == new.shape and old.dtype == new.dtype:
+                continue
+            old_shape, new_shape = tuple(old.shape), tuple(new.shape)
+            if old_shape != new_shape:
+                change = f"shape {old_shape} to {new_shape}"
+                if len(new_shape) == len(old_shape) + 1 and new_shape[1:] == old_shape:
+                    fix = (
+                        "The example input seems to carry a batch axis the states lack: call "
+                        f"brainstate.nn.init_all_states(model, batch_size={new_shape[0]}) "
+                        "before compiling (or pass an unbatched example input)."
+                    )
+                else:
+                    fix = (
+                        "update() must return a new value of the state's own shape: check the "
+                        "shapes of the example inputs, or initialise the states to fit them "
+                        "(brainstate.nn.init_all_states(model, batch_size=...))."
+                    )
+            else:
+                change = f"dtype {old.dtype} to {new.dtype}"
+                fix = (
+                    f"Cast the new value to {old.dtype} (e.g. jnp.asarray(value, "
+                    f"{old.dtype})), or initialise the state with dtype {new.dtype}."
+                )
+            raise StateShapeChangedError(
+                f"update() of {model_name} changes the {type(st).__name__} {p}{name} from "
+                f"{change}; a state must keep its shape and dtype from step to step. {fix}",
+                records,
+            )
+
+
+def _check_weight_dtypes(
+    model_name: str,
+    states: Sequence[brainstate.State[Any]],
+    paths: Sequence[Path],
+    records: Sequence[CompilationRecord],
+) -> None:
+    """Refuse a ParamState with a non-floating-point leaf: it could not be differentiated."""
+    for st, p in zip(states, paths, strict=True):
+        if not isinstance(st, brainstate.ParamState):
+            continue
+        leaves = jax.tree_util.tree_flatten_with_path(st.value)[0]
+        for kp, leaf in leaves:
+            dtype = jnp.result_type(leaf)
+            if jnp.issubdtype(dtype, jnp.inexact):
+                continue
+            where = f"{p}{jax.tree_util.keystr(kp)}"
+            rec = record(
+                DiagnosticKind.WEIGHT_NOT_FLOAT,
+                DiagnosticLevel.ERROR,
+                f"ParamState {where} has dtype {dtype}, which has no gradient.",
+                weight_path=p,
+            )
+            raise WeightNotFloatError(
+                f"The ParamState {where} used by {model_name}.update has dtype {dtype}; "
+                "weights are differentiated, and integer or boolean arrays have no gradient. "
+                "Store integer tables (indices, masks, counters) in a plain brainstate.State "
+                "or a brainstate.ShortTermState, or keep them as a constant attribute of the "
+                "module (a jnp/np array); make trainable weights floating point.",
+                [*records, rec],
+            )
+
+
 def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
     """Trace ``model.update(*args)`` once and describe the step (stage 1).
 
@@ -394,7 +487,11 @@ def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
 
     **Raises:** `TypeError` for a non-Module, `StateNotInitializedError`,
     `InputStructureError` when the inputs do not fit ``update``,
-    `ParamStateWriteError` when the step writes a weight, `RecursiveCompileError`
+    `ParamStateWriteError` when the step writes a weight, `StateShapeChangedError`
+    when it gives a state a new value of another shape or dtype (typically states
+    initialised without the batch axis of the example input), `WeightNotFloatError`
+    for an integer or boolean ParamState (refused, not left untrained: keep such
+    tables in a plain ``brainstate.State`` or as constants), `RecursiveCompileError`
     when called inside a JAX transformation of a model.
     """
     if not isinstance(model, brainstate.nn.Module):
@@ -489,6 +586,16 @@ def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
             "in a brainstate.HiddenState (traced) or a ShortTermState (not traced).",
             [*records, rec],
         )
+    _check_state_avals(
+        type(model).__name__,
+        closed,
+        compiled_states,
+        paths,
+        len(jax.tree.leaves(tuple(args))),
+        len(jax.tree.leaves(out_shapes)),
+        records,
+    )
+    _check_weight_dtypes(type(model).__name__, compiled_states, paths, records)
 
     closed = inline_calls(closed)
     _check_no_nested_etp(closed, records)

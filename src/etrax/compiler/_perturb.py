@@ -1,24 +1,27 @@
-"""Stage 5, `perturb`: add a zero perturbation per hidden state so that the
-loss-to-hidden gradient ``∂L/∂h^t`` is one VJP away.
+"""Stage 5, `perturb`: add zero perturbations to the step so that the loss-to-hidden
+gradient ``∂L/∂h^t`` and every untraced use's instantaneous gradient are one VJP away.
 
 The perturbed step computes ``h^t = f(...) + p`` for every hidden state and
 returns the same outputs as the rewritten step. Where a new hidden value feeds
 another hidden value *within* the step through non-boundary computation, that
 route is already inside the transitions and tails that traces follow, so the
 perturbation does not travel along it (otherwise the same path would be counted
-twice). Routes that cross a boundary (another weight operation) and routes to the
-model's outputs do carry it. Equations downstream of a perturbed value are
-evaluated twice: once with every perturbation (`full`) and once with only the
-perturbations that crossed a boundary (`crossed`).
+twice). Routes that cross a boundary (another weight operation, or the new value
+of a *linked* group of another shape) and routes to the model's outputs do carry
+it.
 
 A second perturbation ``q`` per hidden state is added to its *old* value and
 reaches the outputs only along routes that avoid every new hidden value: its
 gradient is the part of ``∂L/∂h^{t-1}`` that the new hidden values do not carry
 (e.g. an output computed from an intermediate before it is stored in a stacked
 state). It is zero for most models (`direct_paths` is then empty).
+
+A third perturbation ``δ`` per parameter use that is not (wholly) traced is added
+to the weight value where that use reads it: its gradient is the use's exact
+instantaneous gradient.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -29,10 +32,16 @@ from jaxtyping import Array
 
 from .._compat import DropVar, Literal, Var, bind_equation, shape_struct, struct_of
 from .._typing import Path, Shape
-from ._analysis import analyse_step
-from ._group import HiddenGroup
+from ..ops import etp_spec
+from ._analysis import Analyses
+from ._graph import ETraceGraph
+from ._group import HiddenGroup, group
 from ._jaxpr import Program
 from ._module_info import ModuleInfo, StateKind, extract
+from ._perturbation import HiddenPerturbation
+from ._relate import relate
+from ._rewrite import RewrittenModule, rewrite
+from ._uses import ParamUse
 
 __all__ = [
     "HiddenPerturbation",
@@ -41,213 +50,273 @@ __all__ = [
 ]
 
 
-class HiddenPerturbation(eqx.Module):
-    """The perturbed step: inputs ``[flat args, flat states, p..., q...]``.
+_CROSSED: Hashable = "crossed"
+_OWN: Hashable = "own"
 
-    **Arguments:**
 
-    - `perturb_hidden_paths`: the hidden states perturbed, in compiled order (one
-      perturbation ``p`` of the new value and one ``q`` of the old value each,
-      shaped like the state).
-    - `shapes`, `dtypes`: of each perturbation.
-    - `program`: the perturbed step; its outputs are those of the rewritten step.
-    - `direct_paths`: hidden states whose old value reaches the outputs other than
-      through a new hidden value (``q`` matters only for these).
+def _always_boundary(eqn: Any) -> bool:
+    spec = etp_spec(eqn.primitive)
+    if spec is not None:
+        return not spec.gradient_enabled
+    return str(eqn.primitive.name) in ("stop_gradient", "conv_general_dilated")
+
+
+class _Builder:
+    """Static facts the perturbed step needs (a transient helper of `perturb`).
+
+    Perturbation effects are carried in separate environments, by where they may
+    still count: `_CROSSED` (crossed a boundary: counts everywhere), `_OWN` (a
+    perturbation of an unlinked group on non-boundary routes: dropped at every new
+    hidden value, whose transitions and tails count those routes), and for a set of
+    linked groups ``("M", g)`` (from linked group ``g`` only: dropped at ``g``,
+    counted at the other linked groups) and ``("X", link)`` (passed two linked
+    groups: counts at all of them). Values are first-order: an environment holds
+    ``orig + its effects``, and the outputs add up the effects.
     """
 
-    perturb_hidden_paths: tuple[Path, ...] = eqx.field(static=True)
-    shapes: tuple[Shape, ...] = eqx.field(static=True)
-    dtypes: tuple[np.dtype[Any], ...] = eqx.field(static=True)
-    program: Program = eqx.field(static=True)
-    direct_paths: tuple[Path, ...] = eqx.field(static=True, default=())
-
-    @property
-    def perturb_jaxpr(self) -> Any:
-        return self.program.closed
-
-    def init_perturb_data(self) -> list[Array]:
-        """Zero perturbations."""
-        return [jnp.zeros(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
-
-    def eval_jaxpr(
+    def __init__(
         self,
-        flat_inputs: Sequence[Any],
-        perturb_data: Sequence[Any],
-        old_perturb_data: Sequence[Any] | None = None,
-    ) -> list[Any]:
-        """Evaluate the perturbed step on flat inputs and perturbations (``q = 0``
-        unless `old_perturb_data` is given)."""
-        if len(perturb_data) != len(self.shapes):
-            raise ValueError(
-                f"expected {len(self.shapes)} perturbations (one per hidden state "
-                f"{list(self.perturb_hidden_paths)}), got {len(perturb_data)}"
-            )
-        if old_perturb_data is None:
-            old_perturb_data = [jnp.zeros_like(p) for p in perturb_data]
-        return self.program(*flat_inputs, *perturb_data, *old_perturb_data)
-
-    def perturb_data_to_hidden_group_data(
-        self, data: Sequence[Array] | Mapping[Path, Array], groups: Sequence[HiddenGroup]
-    ) -> list[Array]:
-        """Arrange per-state perturbation gradients into one slab per group."""
-        if isinstance(data, Mapping):
-            by_path = dict(data)
-        else:
-            if len(data) != len(self.perturb_hidden_paths):
-                raise ValueError(
-                    f"expected {len(self.perturb_hidden_paths)} values, got {len(data)}"
-                )
-            by_path = dict(zip(self.perturb_hidden_paths, data, strict=True))
-        out = []
+        minfo: ModuleInfo,
+        groups: Sequence[HiddenGroup],
+        analyses: Analyses,
+        uses: Sequence[ParamUse],
+    ) -> None:
+        an = analyses.base
+        self.minfo = minfo
+        self.table = an.table
+        self.jaxpr = minfo.jaxpr
+        self.hidden = minfo.hidden_states
+        self.boundaries = frozenset(an.boundaries) | {
+            i for i, e in enumerate(self.jaxpr.eqns) if _always_boundary(e)
+        }
+        group_of = {p: g for g in groups for p in g.hidden_paths}
+        self.node_of: dict[Var, list[int]] = {}
+        self.node_group: dict[Var, HiddenGroup] = {}
+        for k, s in enumerate(self.hidden):
+            vid = s.outvars[0]
+            if vid is not None and self.table.var(vid) in self.table.producer:
+                v = self.table.var(vid)
+                self.node_of.setdefault(v, []).append(k)
+                self.node_group.setdefault(v, group_of[s.path])
+        self.linked: dict[int, tuple[int, ...]] = {}
         for g in groups:
-            missing = [p for p in g.hidden_paths if p not in by_path]
-            if missing:
-                raise ValueError(f"no perturbation gradient for hidden state(s) {missing}")
-            out.append(g.concat_hidden([by_path[p] for p in g.hidden_paths]))
-        return out
+            if g.link is not None:
+                self.linked[g.link] = (*self.linked.get(g.link, ()), g.index)
+        self.injected = tuple(u for u in uses if u.needs_instant)
+        self.use_slot = {
+            (u.eqn_index, u.slot): n for n, u in enumerate(self.injected) if u.eqn_index is not None
+        }
+        self.out_use = {u.slot: n for n, u in enumerate(self.injected) if u.eqn_index is None}
+        self._direct()
+        self._output_roles()
+
+    def _direct(self) -> None:
+        """Equations on routes from old hidden values to the model's outputs that avoid
+        every new hidden value: they carry the "direct" perturbation ``q``."""
+        jaxpr = self.jaxpr
+        needed = {v for v in jaxpr.outvars[: self.minfo.num_var_out] if isinstance(v, Var)}
+        self.direct_eqns: set[int] = set()
+        for i in range(len(jaxpr.eqns) - 1, -1, -1):
+            eqn = jaxpr.eqns[i]
+            outs = [v for v in eqn.outvars if not isinstance(v, DropVar)]
+            if any(v in needed and v not in self.node_of for v in outs):
+                self.direct_eqns.add(i)
+                needed.update(a for a in eqn.invars if isinstance(a, Var))
+        self.hidden_in = {self.table.var(s.invars[0]): k for k, s in enumerate(self.hidden)}
+        self.direct = sorted({k for v, k in self.hidden_in.items() if v in needed})
+
+    def _output_roles(self) -> None:
+        """What each output of the step is: model output, hidden, other or weight."""
+        paths = [s.path for s in self.hidden]
+        self.passthrough: dict[int, int] = {}
+        self.role: dict[int, StateKind | None] = dict.fromkeys(range(self.minfo.num_var_out))
+        pos = self.minfo.num_var_out
+        for s in self.minfo.states:
+            for _ in s.invars:
+                self.role[pos] = s.kind
+                atom = self.jaxpr.outvars[pos]
+                if s.kind is StateKind.HIDDEN and not (
+                    isinstance(atom, Var) and atom in self.node_of
+                ):
+                    self.passthrough[pos] = paths.index(s.path)
+                pos += 1
+
+    def program(self) -> Program:
+        avals = [struct_of(v) for v in self.jaxpr.invars]
+        avals += [shape_struct(s.shapes[0], s.dtypes[0]) for s in self.hidden] * 2
+        avals += [shape_struct(u.shape, u.dtype) for u in self.injected]
+        closed = jax.make_jaxpr(self._evaluate)(*avals)
+        n_in = len(closed.jaxpr.invars)
+        return Program(closed, tuple(range(n_in)), tuple(range(len(closed.jaxpr.outvars))))
+
+    def _evaluate(self, *flat: Any) -> list[Any]:
+        n, h = len(self.jaxpr.invars), len(self.hidden)
+        run = _Run(self, flat[:n], flat[n : n + h], flat[n + h : n + 2 * h], flat[n + 2 * h :])
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            run.equation(i, eqn)
+        return run.outputs()
 
 
-def _build_program(minfo: ModuleInfo) -> tuple[Program, tuple[Path, ...], tuple[Path, ...]]:
-    an = analyse_step(minfo)
-    table = an.table
-    jaxpr = minfo.jaxpr
-    consts = minfo.closed_jaxpr.consts
-    hidden = minfo.hidden_states
-    paths = tuple(s.path for s in hidden)
-    # hidden outvar Var -> indices of the hidden states it is the new value of
-    node_of: dict[Var, list[int]] = {}
-    passthrough: dict[int, int] = {}  # output position -> hidden index, for non-produced outvars
-    for k, s in enumerate(hidden):
-        vid = s.outvars[0]
-        if vid is None:
-            continue
-        v = table.var(vid)
-        if v in table.producer:
-            node_of.setdefault(v, []).append(k)
-    out_positions: dict[int, int] = {}
-    pos = minfo.num_var_out
-    for s in minfo.states:
-        if s.kind is StateKind.HIDDEN:
-            out_positions[pos] = paths.index(s.path)
-        pos += len(s.invars)
-    for p_, k in out_positions.items():
-        atom = jaxpr.outvars[p_]
-        if not (isinstance(atom, Var) and atom in node_of):
-            passthrough[p_] = k
-    model_out = set(range(minfo.num_var_out))
-    # Equations on routes from old hidden values to the model's outputs that avoid
-    # every new hidden value: those carry the "direct" perturbation q.
-    needed = {v for v in jaxpr.outvars[: minfo.num_var_out] if isinstance(v, Var)}
-    direct_eqns: set[int] = set()
-    for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        eqn = jaxpr.eqns[i]
-        if any(v in needed and v not in node_of for v in eqn.outvars if not isinstance(v, DropVar)):
-            direct_eqns.add(i)
-            needed.update(a for a in eqn.invars if isinstance(a, Var))
-    hidden_in = {table.var(s.invars[0]): k for k, s in enumerate(hidden)}
-    direct = sorted({k for v, k in hidden_in.items() if v in needed})
-    state_out_kinds: dict[int, StateKind] = {}
-    pos = minfo.num_var_out
-    for s in minfo.states:
-        for _ in s.invars:
-            state_out_kinds[pos] = s.kind
-            pos += 1
+class _Run:
+    """One evaluation of the perturbed step (inside `jax.make_jaxpr`)."""
 
-    def fn(*flat: Any) -> list[Any]:
-        n = len(jaxpr.invars)
-        h = len(hidden)
-        inputs, perturbs, olds = flat[:n], flat[n : n + h], flat[n + h :]
-        orig: dict[Var, Any] = {}
-        full: dict[Var, Any] = {}
-        crossed: dict[Var, Any] = {}
-        blocked: dict[Var, Any] = {}
+    def __init__(
+        self,
+        b: _Builder,
+        inputs: Sequence[Any],
+        perturbs: Sequence[Any],
+        olds: Sequence[Any],
+        deltas: Sequence[Any],
+    ) -> None:
+        self.b = b
+        self.perturbs, self.deltas = perturbs, deltas
+        self.orig: dict[Var, Any] = dict(
+            zip(b.jaxpr.constvars, b.minfo.closed_jaxpr.consts, strict=True)
+        )
+        self.orig.update(zip(b.jaxpr.invars, inputs, strict=True))
+        self.envs: dict[Hashable, dict[Var, Any]] = {_CROSSED: {}, _OWN: {}}
+        self.blocked: dict[Var, Any] = {}
+        for v, k in b.hidden_in.items():
+            if k in b.direct:
+                self.blocked[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
 
-        def read(env: dict[Var, Any], atom: Any) -> Any:
-            if isinstance(atom, Literal):
-                return atom.val
-            return env.get(atom, orig[atom])
+    def read(self, env: Mapping[Var, Any], atom: Any, i: int, pos: int) -> Any:
+        value = atom.val if isinstance(atom, Literal) else env.get(atom, self.orig.get(atom))
+        n = self.b.use_slot.get((i, pos))
+        if n is not None:
+            value = value + self.deltas[n].astype(jnp.result_type(value))
+        return value
 
-        for v, val in zip(jaxpr.constvars, consts, strict=True):
-            orig[v] = val
-        for v, val in zip(jaxpr.invars, inputs, strict=True):
-            orig[v] = val
-        for v, k in hidden_in.items():
-            if k in direct:
-                blocked[v] = orig[v] + olds[k].astype(jnp.result_type(orig[v]))
-        for i, eqn in enumerate(jaxpr.eqns):
-            ins = [read(orig, a) for a in eqn.invars]
-            outs = bind_equation(eqn, ins)
-            for v, val in zip(eqn.outvars, outs, strict=True):
+    def bind(self, env: Mapping[Var, Any], i: int, eqn: Any) -> list[Any]:
+        return bind_equation(eqn, [self.read(env, a, i, p) for p, a in enumerate(eqn.invars)])
+
+    def equation(self, i: int, eqn: Any) -> None:
+        outs = [v for v in eqn.outvars if not isinstance(v, DropVar)]
+        for v, val in zip(eqn.outvars, self.bind(self.orig, i, eqn), strict=True):
+            if not isinstance(v, DropVar):
+                self.orig[v] = val
+        ins = [a for a in eqn.invars if isinstance(a, Var)]
+        if i in self.b.direct_eqns and any(a in self.blocked for a in ins):
+            for v, val in zip(eqn.outvars, self.bind(self.blocked, i, eqn), strict=True):
+                if not isinstance(v, DropVar) and v not in self.b.node_of:
+                    self.blocked[v] = val
+        active = [k for k, env in self.envs.items() if any(a in env for a in ins)]
+        if active and i in self.b.boundaries:
+            summed = {a: self.total(a) for a in ins}
+            for v, val in zip(eqn.outvars, self.bind(summed, i, eqn), strict=True):
                 if not isinstance(v, DropVar):
-                    orig[v] = val
-            var_ins = [a for a in eqn.invars if isinstance(a, Var)]
-            if i in direct_eqns and any(a in blocked for a in var_ins):
-                b_outs = bind_equation(eqn, [read(blocked, a) for a in eqn.invars])
-                for v, val in zip(eqn.outvars, b_outs, strict=True):
-                    if not isinstance(v, DropVar) and v not in node_of:
-                        blocked[v] = val
-            has_full = any(a in full for a in var_ins)
-            has_crossed = any(a in crossed for a in var_ins)
-            if has_full and i in an.boundaries:
-                sh = bind_equation(eqn, [read(full, a) for a in eqn.invars])
-                for v, val in zip(eqn.outvars, sh, strict=True):
+                    self.envs[_CROSSED][v] = val
+        else:
+            for k in active:
+                env = self.envs[k]
+                for v, val in zip(eqn.outvars, self.bind(env, i, eqn), strict=True):
                     if not isinstance(v, DropVar):
-                        full[v] = crossed[v] = val
-            else:
-                if has_full:
-                    f_ins = [read(full, a) for a in eqn.invars]
-                    f_outs = bind_equation(eqn, f_ins)
-                    for v, val in zip(eqn.outvars, f_outs, strict=True):
-                        if not isinstance(v, DropVar):
-                            full[v] = val
-                if has_crossed:
-                    c_ins = [read(crossed, a) for a in eqn.invars]
-                    c_outs = bind_equation(eqn, c_ins)
-                    for v, val in zip(eqn.outvars, c_outs, strict=True):
-                        if not isinstance(v, DropVar):
-                            crossed[v] = val
-            for v in eqn.outvars:
-                if v in node_of:
-                    c = crossed.get(v, orig[v])
-                    total = c
-                    for k in node_of[v]:
-                        total = total + perturbs[k].astype(total.dtype)
-                    full[v] = total
+                        env[v] = val
+        for v in outs:
+            if v in self.b.node_of:
+                self.node(v)
+
+    def effect(self, key: Hashable, v: Var) -> Any:
+        env = self.envs.get(key, {})
+        return env[v] - self.orig[v] if v in env else None
+
+    def total(self, v: Var) -> Any:
+        """``orig`` plus every effect that reaches `v`. Each effect enters as
+        ``e - stop_gradient(e)``: exactly zero in value (so the primal outputs equal the
+        unperturbed step bit for bit) and ``e``'s derivative."""
+        value = self.orig[v]
+        for env in self.envs.values():
+            if v in env:
+                e = env[v] - self.orig[v]
+                value = value + (e - jax.lax.stop_gradient(e))
+        return value
+
+    def node(self, v: Var) -> None:
+        """At a new hidden value: drop the effects its group's programs already count,
+        and add the group's perturbation."""
+        b = self.b
+        g = b.node_group[v]
+        p = self.orig[v]
+        for k in b.node_of[v]:
+            p = p + self.perturbs[k].astype(jnp.result_type(self.orig[v]))
+        if g.link is None:
+            for key in self.envs:
+                if key is not _CROSSED:
+                    self.envs[key].pop(v, None)
+            self.envs[_OWN][v] = p
+            return
+        keep = [("X", g.link), *(("M", h) for h in b.linked[g.link] if h != g.index)]
+        effects = [e for e in (self.effect(k, v) for k in keep) if e is not None]
+        for key in self.envs:
+            if key is not _CROSSED:
+                self.envs[key].pop(v, None)
+        if effects:
+            self.envs.setdefault(("X", g.link), {})[v] = self.orig[v] + sum(effects[1:], effects[0])
+        self.envs.setdefault(("M", g.index), {})[v] = p
+
+    def outputs(self) -> list[Any]:
+        b = self.b
         results = []
-        for p_, atom in enumerate(jaxpr.outvars):
-            if p_ in passthrough:
-                base = read(orig, atom)
-                results.append(base + perturbs[passthrough[p_]].astype(jnp.result_type(base)))
-            elif p_ in model_out:
-                value = read(full, atom)
-                if isinstance(atom, Var) and atom in blocked:
-                    value = value + (blocked[atom] - orig[atom])
-                results.append(value)
-            elif state_out_kinds.get(p_, StateKind.WEIGHT) is not StateKind.WEIGHT:
-                results.append(read(full, atom))
+        for pos, atom in enumerate(b.jaxpr.outvars):
+            role = b.role.get(pos)
+            if pos in b.passthrough:
+                base = self.read(self.orig, atom, -1, pos)
+                k = b.passthrough[pos]
+                value = base + self.perturbs[k].astype(jnp.result_type(base))
+            elif role is StateKind.WEIGHT:
+                value = self.read(self.orig, atom, -1, pos)
+            elif isinstance(atom, Var):
+                value = self.total(atom)
+                if role is None and atom in self.blocked:
+                    value = value + (self.blocked[atom] - self.orig[atom])
             else:
-                results.append(read(orig, atom))
+                value = atom.val
+            n = b.out_use.get(pos)
+            if n is not None:
+                value = value + self.deltas[n].astype(jnp.result_type(value))
+            results.append(value)
         return results
 
-    avals = [struct_of(v) for v in jaxpr.invars]
-    avals += [shape_struct(s.shapes[0], s.dtypes[0]) for s in hidden] * 2
-    closed = jax.make_jaxpr(fn)(*avals)
-    n_in = len(closed.jaxpr.invars)
-    program = Program(closed, tuple(range(n_in)), tuple(range(len(closed.jaxpr.outvars))))
-    return program, paths, tuple(paths[k] for k in direct)
+
+def perturb(rewritten: RewrittenModule, *, enabled: bool = True) -> ETraceGraph:
+    """Add the perturbations and assemble the `ETraceGraph` (stage 5).
+
+    With ``enabled=False`` the graph has ``hidden_perturb=None`` (forward and
+    Jacobians only; `online_grad` then needs a `window`).
+    """
+    hp = None
+    if enabled:
+        b = _Builder(
+            rewritten.module_info,
+            rewritten.hidden_groups,
+            rewritten.analyses,
+            rewritten.param_uses,
+        )
+        hp = HiddenPerturbation(
+            perturb_hidden_paths=tuple(s.path for s in b.hidden),
+            shapes=tuple(s.shapes[0] for s in b.hidden),
+            dtypes=tuple(s.dtypes[0] for s in b.hidden),
+            program=b.program(),
+            direct_paths=tuple(b.hidden[k].path for k in b.direct),
+            use_indices=tuple(u.index for u in b.injected),
+            use_shapes=tuple(u.shape for u in b.injected),
+            use_dtypes=tuple(u.dtype for u in b.injected),
+        )
+    return ETraceGraph(
+        module_info=rewritten.module_info,
+        hidden_groups=rewritten.hidden_groups,
+        hidden_param_op_relations=rewritten.hidden_param_op_relations,
+        hidden_perturb=hp,
+        diagnostics=rewritten.diagnostics,
+        param_uses=rewritten.param_uses,
+    )
 
 
 def add_hidden_perturbation_from_minfo(minfo: ModuleInfo) -> HiddenPerturbation:
-    """Build the `HiddenPerturbation` of a (rewritten) step."""
-    program, paths, direct = _build_program(minfo)
-    hidden = minfo.hidden_states
-    return HiddenPerturbation(
-        perturb_hidden_paths=paths,
-        shapes=tuple(s.shapes[0] for s in hidden),
-        dtypes=tuple(s.dtypes[0] for s in hidden),
-        program=program,
-        direct_paths=direct,
-    )
+    """Build the `HiddenPerturbation` of a traced step (runs the later stages)."""
+    hp = perturb(rewrite(relate(group(minfo)))).hidden_perturb
+    assert hp is not None
+    return hp
 
 
 def add_hidden_perturbation_in_module(model: Any, *args: Any) -> HiddenPerturbation:

@@ -505,6 +505,7 @@ def analyse(
     jaxpr: Jaxpr,
     seeds: Mapping[Var, AlignMap],
     is_boundary: Callable[[int, JaxprEqn, Sequence[AlignMap]], bool],
+    cuts: frozenset[Var] = frozenset(),
 ) -> tuple[dict[Var, AlignMap], set[int]]:
     """Propagate source alignments forward through a jaxpr.
 
@@ -515,6 +516,8 @@ def analyse(
       ETP op's ``y``). A seed overrides what the equation producing it would give.
     - `is_boundary`: ``(index, eqn, input maps) -> bool``; a boundary equation's
       outputs are treated as constants (not derived from any source).
+    - `cuts`: variables whose values count as constants where they are read (their
+      own alignment is still recorded).
 
     **Returns:** the alignment map of every derived variable, and the indices of the
     boundary equations that had derived inputs.
@@ -528,7 +531,9 @@ def analyse(
         return [inner.get(v, {}) if isinstance(v, Var) else {} for v in body.jaxpr.outvars]
 
     for i, eqn in enumerate(jaxpr.eqns):
-        in_maps = [maps.get(v, {}) if isinstance(v, Var) else {} for v in eqn.invars]
+        in_maps = [
+            maps.get(v, {}) if isinstance(v, Var) and v not in cuts else {} for v in eqn.invars
+        ]
         if not any(in_maps):
             continue
         if is_boundary(i, eqn, in_maps):

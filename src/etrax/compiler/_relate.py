@@ -11,7 +11,8 @@ Every ParamState the step reads ends up traced by a relation or in a record that
 says why not.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+import enum
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -34,16 +35,18 @@ from .._errors import WeightNotParamStateError
 from .._frozen import FrozenDict
 from .._typing import Path, Shape, VarId
 from ..ops import ETPOpSpec, etp_spec
-from ._analysis import StepAnalysis, analyse_step
+from ._analysis import Analyses
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
 from ._group import GroupedModule, HiddenGroup, group
 from ._jaxpr import Program, VarTable, forward_closure, slice_program
 from ._module_info import ModuleInfo, StateKind, extract
+from ._uses import EtpStatus, ParamUse, find_uses
 from ._positions import Mixed, identity_align
 
 __all__ = [
     "FrozenParams",
     "HiddenParamOpRelation",
+    "OperandFailure",
     "RelatedModule",
     "RelationTail",
     "TrainableOperand",
@@ -228,6 +231,8 @@ class RelatedModule(eqx.Module):
     hidden_groups: tuple[HiddenGroup, ...]
     hidden_param_op_relations: tuple[HiddenParamOpRelation, ...]
     diagnostics: tuple[CompilationRecord, ...] = eqx.field(static=True)
+    param_uses: tuple[ParamUse, ...] = eqx.field(static=True)
+    analyses: Analyses = eqx.field(static=True)
 
     @property
     def hid_path_to_group(self) -> dict[Path, HiddenGroup]:
@@ -237,13 +242,21 @@ class RelatedModule(eqx.Module):
 # ---------------------------------------------------------------------------------------
 
 
+class OperandFailure(enum.Enum):
+    """Why a trainable operand of an ETP op is not a function of ParamStates alone."""
+
+    CONSTANT = "is a constant, not a brainstate.ParamState"
+    DATA = "depends on the step's inputs or states"
+
+
 class _Context:
     """Per-call lookups for `relate` (transient)."""
 
-    def __init__(self, minfo: ModuleInfo, an: StepAnalysis) -> None:
+    def __init__(self, minfo: ModuleInfo, analyses: Analyses) -> None:
         self.minfo = minfo
-        self.an = an
-        self.table: VarTable = an.table
+        self.analyses = analyses
+        self.an = analyses.base
+        self.table: VarTable = self.an.table
         self.leaf_of: dict[Var, tuple[Path, int]] = {}
         self.data_invars: set[Var] = set()
         for s in minfo.states:
@@ -277,9 +290,9 @@ class _Context:
                     stack.append(a)
         return seen, eqns
 
-    def untraced_routes(self, y: Var, src: int) -> bool:
+    def untraced_routes(self, y: Var) -> bool:
         """Whether ``y`` reaches a model output or a boundary other than through a
-        hidden state's new value."""
+        new hidden value (routes through new hidden values are the groups' business)."""
         jaxpr = self.table.jaxpr
         outputs = {v for v in jaxpr.outvars[: self.minfo.num_var_out] if isinstance(v, Var)}
         seen = {y}
@@ -287,7 +300,7 @@ class _Context:
         while stack:
             v = stack.pop()
             if v in self.hidden_outvars:
-                continue  # routes through a new hidden value are traced
+                continue
             if v in outputs:
                 return True
             for i in self.table.consumers.get(v, ()):
@@ -308,34 +321,31 @@ class _Context:
 
 def _resolve_operand(
     ctx: _Context, eqn: JaxprEqn, key: str, index: int
-) -> tuple[TrainableOperand | None, str | None, set[int]]:
-    """Trace an operand back to ParamState leaves; returns (operand, failure, eqns)."""
+) -> tuple[TrainableOperand | None, OperandFailure | None]:
+    """Trace an operand back to ParamState leaves: the operand, or why not."""
     atom = eqn.invars[index]
     if isinstance(atom, Literal):
-        return None, "constant", set()
+        return None, OperandFailure.CONSTANT
     anc, eqns = ctx.ancestors(atom)
     if any(v in ctx.data_invars for v in anc):
-        return None, "data", eqns
+        return None, OperandFailure.DATA
     leaves = [v for v in ctx.table.vars if v in anc and v in ctx.leaf_of]
     if not leaves:
-        return None, "constant", eqns
+        return None, OperandFailure.CONSTANT
     program, consts = slice_program(
         ctx.minfo.closed_jaxpr, ctx.table, leaves, [atom], lambda i: i in eqns
     )
     processing = tuple(dict.fromkeys(program.primitives))
-    return (
-        TrainableOperand(
-            key=key,
-            operand_index=index,
-            var=ctx.table.ids[atom],
-            param_leaves=tuple(ctx.leaf_of[v] for v in leaves),
-            program=program,
-            consts=consts,
-            processing=processing,
-        ),
-        None,
-        eqns,
+    operand = TrainableOperand(
+        key=key,
+        operand_index=index,
+        var=ctx.table.ids[atom],
+        param_leaves=tuple(ctx.leaf_of[v] for v in leaves),
+        program=program,
+        consts=consts,
+        processing=processing,
     )
+    return operand, None
 
 
 def _first_path(ctx: _Context, eqn: JaxprEqn) -> Path | None:
@@ -352,343 +362,364 @@ def _first_path(ctx: _Context, eqn: JaxprEqn) -> Path | None:
     return None
 
 
-def _hidden_targets(
+def _trainables(
+    ctx: _Context, eqn_index: int, records: list[CompilationRecord]
+) -> list[TrainableOperand]:
+    """The ETP op's trainable operands resolved to ParamStates (records the others)."""
+    eqn = ctx.table.jaxpr.eqns[eqn_index]
+    spec = etp_spec(eqn.primitive)
+    assert spec is not None
+    name, where = spec.name, equation_location(eqn)
+    trainables: list[TrainableOperand] = []
+    for n, (key, idx) in enumerate(spec.trainable(eqn.params).items()):
+        operand, failure = _resolve_operand(ctx, eqn, key, idx)
+        if operand is not None:
+            trainables.append(operand)
+            continue
+        assert failure is not None
+        if n == 0:
+            rec = record(
+                DiagnosticKind.RELATION_EXCLUDED_NO_PARAMSTATE,
+                DiagnosticLevel.ERROR,
+                f"The {key!r} operand of {name} at {where} {failure.value}.",
+                primitive=name,
+                key=key,
+            )
+            raise WeightNotParamStateError(
+                f"The {key!r} operand of the ETP operation {name} at {where} {failure.value}. "
+                "ETP operations trace trainable weights: store the weight in a "
+                "brainstate.ParamState (e.g. etrax.nn.Linear), or use plain jax.numpy for "
+                "fixed or data-dependent matrices.",
+                [*records, rec],
+            )
+        data = failure is OperandFailure.DATA
+        records.append(
+            record(
+                DiagnosticKind.WEIGHT_OPERAND_NOT_STATIC
+                if data
+                else DiagnosticKind.TRAINABLE_INVAR_NOT_PARAMSTATE,
+                DiagnosticLevel.WARNING if data else DiagnosticLevel.INFO,
+                f"The {key!r} operand of {name} at {where} {failure.value}, so it is not "
+                "traced; the ParamStates it reads learn from their instantaneous gradient "
+                "and its other operands are still traced."
+                if data
+                else f"The {key!r} operand of {name} at {where} is a constant; only the other "
+                "operands are trained.",
+                primitive=name,
+                key=key,
+            )
+        )
+    return trainables
+
+
+def _reached_groups(
     ctx: _Context, src: int, groups: Sequence[HiddenGroup]
 ) -> dict[int, list[tuple[Path, Any]]]:
-    """Group index → [(member path, alignment of y at that member)] reached by `src`."""
-    hid_to_group = {p: g.index for g in groups for p in g.hidden_paths}
+    """Group index → [(member path, alignment of y there)] for the groups `src` reaches,
+    each seen through its own analysis (routes through linked groups are cut)."""
     reached: dict[int, list[tuple[Path, Any]]] = {}
-    for s in ctx.minfo.hidden_states:
-        if s.outvars[0] is None:
-            continue
-        a = ctx.an.maps.get(ctx.table.var(s.outvars[0]), {}).get(src)
-        if a is not None:
-            reached.setdefault(hid_to_group[s.path], []).append((s.path, a))
-    return dict(sorted(reached.items()))
+    by_path = {s.path: s for s in ctx.minfo.hidden_states}
+    for g in groups:
+        an = ctx.analyses.for_group(g.index)
+        for p in g.hidden_paths:
+            out = by_path[p].outvars[0]
+            if out is None:
+                continue
+            a = an.maps.get(an.table.var(out), {}).get(src)
+            if a is not None:
+                reached.setdefault(g.index, []).append((p, a))
+    return reached
 
 
-def _tail_filter(an: StepAnalysis, src: int) -> Callable[[int], bool]:
-    def keep(i: int) -> bool:
-        return i not in an.boundaries and an.equation_derives(i, {src})
+class _Op:
+    """The facts about one ETP equation that its relation and records need."""
 
-    return keep
+    def __init__(self, ctx: _Context, eqn_index: int, trainables: list[TrainableOperand]):
+        eqn = ctx.table.jaxpr.eqns[eqn_index]
+        spec = etp_spec(eqn.primitive)
+        assert spec is not None
+        self.index = eqn_index
+        self.eqn = eqn
+        self.spec = spec
+        self.name = spec.name
+        self.where = equation_location(eqn)
+        self.trainables = trainables
+        self.weight_path = trainables[0].param_leaves[0][0]
+        self.weight_paths = tuple(dict.fromkeys(p for t in trainables for p in t.paths))
+        self.src = ctx.an.y_sources[eqn_index]
+        self.y = eqn.outvars[0]
+        self.y_shape: Shape = tuple(aval_of(self.y).shape)
+
+
+def _tail(
+    ctx: _Context, op: _Op, g: HiddenGroup, members: list[tuple[Path, Any]]
+) -> tuple[RelationTail | None, CompilationRecord | None]:
+    """The tail ``y → group`` or the record of why it cannot be traced."""
+    V = g.varshape
+    offset = len(V) - len(op.y_shape)
+    member_paths = tuple(p for p, _ in members)
+    if offset < 0 or tuple(V[offset:]) != op.y_shape:
+        return None, record(
+            DiagnosticKind.RELATION_EXCLUDED_SHAPE_MISMATCH,
+            DiagnosticLevel.WARNING,
+            f"{op.name} at {op.where} produces y of shape {op.y_shape}, which does not line up "
+            f"with the positions {V} of group {g.index} {list(g.hidden_paths)}; this "
+            "connection is not traced (its weights get its exact instantaneous gradient).",
+            primitive=op.name,
+            weight_path=op.weight_path,
+            hidden_paths=member_paths,
+            y_shape=op.y_shape,
+            hidden_shape=V,
+            weight_paths=op.weight_paths,
+        )
+    expected = tuple(offset + k for k in identity_align(op.y_shape))
+    reason: str | None = None
+    for _, a in members:
+        if isinstance(a, Mixed):
+            reason = reason or a.reason
+        elif a != expected:
+            reason = reason or "y reaches the hidden state at other positions"
+    an = ctx.analyses.for_group(g.index)
+    outputs = [ctx.minfo.state_out_atoms(p)[0] for p in g.hidden_paths]
+    program, consts = slice_program(
+        ctx.minfo.closed_jaxpr, ctx.table, [op.y], outputs, an.slice_filter({op.src})
+    )
+    tail = RelationTail(
+        group_index=g.index,
+        hidden_paths=member_paths,
+        program=program,
+        consts=consts,
+        is_diagonal=reason is None,
+        mixing_reason=reason,
+        broadcast_ndim=offset,
+    )
+    if reason is None:
+        return tail, None
+    return tail, record(
+        DiagnosticKind.TAIL_MIXES_POSITIONS,
+        DiagnosticLevel.WARNING,
+        f"The path from {op.name} at {op.where} to group {g.index} mixes positions "
+        f"({reason}); df is taken from the full Jacobian's diagonal and the cross-position "
+        "part is learned from its instantaneous gradient only (approximate over time).",
+        primitive=op.name,
+        weight_path=op.weight_path,
+        hidden_paths=member_paths,
+        reason=reason,
+    )
+
+
+def _blocking(ctx: _Context, op: _Op, connected: set[Path]) -> list[int]:
+    """Boundary equations downstream of y that lead to hidden state (into the
+    connected groups when there are any)."""
+    an = ctx.an
+    jaxpr = ctx.table.jaxpr
+    blocking = sorted(
+        i for i in an.boundaries if any(an.derived_from(v, {op.src}) for v in jaxpr.eqns[i].invars)
+    )
+    if connected:
+        return [i for i in blocking if ctx.reached_hidden(i) & connected]
+    return [i for i in blocking if ctx.reached_hidden(i)]
+
+
+def _excluded_record(ctx: _Context, op: _Op, blocking: list[int]) -> CompilationRecord:
+    """The record of an ETP op that forms no relation."""
+    jaxpr = ctx.table.jaxpr
+    prims = tuple(str(jaxpr.eqns[i].primitive.name) for i in blocking)
+    paths = tuple(p for p in (_first_path(ctx, jaxpr.eqns[i]) for i in blocking) if p is not None)
+    common: dict[str, Any] = {
+        "primitive": op.name,
+        "weight_path": op.weight_path,
+        "weight_paths": op.weight_paths,
+    }
+    head = f"{op.name} at {op.where} (weight {op.weight_path})"
+    tail = "it is not traced through time and learns from its exact instantaneous gradient."
+    if any(etp_spec(jaxpr.eqns[i].primitive) is not None for i in blocking):
+        return record(
+            DiagnosticKind.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT,
+            DiagnosticLevel.WARNING,
+            f"{head} reaches hidden states only through other weight operations "
+            f"{list(paths)}; {tail}",
+            blocking_primitives=prims,
+            blocking_weight_paths=paths,
+            **common,
+        )
+    if blocking:
+        return record(
+            DiagnosticKind.RELATION_EXCLUDED_MIXING,
+            DiagnosticLevel.WARNING,
+            f"{head} reaches hidden states only through position-mixing operations "
+            f"{list(prims)}; {tail}",
+            blocking_primitives=prims,
+            **common,
+        )
+    return record(
+        DiagnosticKind.RELATION_EXCLUDED_NON_TEMPORAL,
+        DiagnosticLevel.INFO,
+        f"{head} reaches no hidden state: it is a non-temporal weight (e.g. a readout) "
+        "and learns from its exact instantaneous gradient.",
+        **common,
+    )
+
+
+def _relation(
+    ctx: _Context, op: _Op, groups: Sequence[HiddenGroup], index: int
+) -> tuple[HiddenParamOpRelation | None, list[CompilationRecord], EtpStatus]:
+    """The relation of one ETP op (or `None`), its records and its status for uses."""
+    records: list[CompilationRecord] = []
+    tails: list[RelationTail] = []
+    reasons: list[DiagnosticKind] = []
+    for gi, members in sorted(_reached_groups(ctx, op.src, groups).items()):
+        tail, rec = _tail(ctx, op, groups[gi], members)
+        if tail is not None:
+            tails.append(tail)
+        if rec is not None:
+            records.append(rec)
+            reasons.append(rec.kind)
+    slots = frozenset(t.operand_index for t in op.trainables)
+    connected = {p for t in tails for p in groups[t.group_index].hidden_paths}
+    blocking = _blocking(ctx, op, connected)
+    if not tails:
+        if not reasons:
+            records.append(_excluded_record(ctx, op, blocking))
+            reasons.append(records[-1].kind)
+        return None, records, EtpStatus(None, True, reasons[0], slots)
+    if blocking:
+        jaxpr = ctx.table.jaxpr
+        prims = tuple(str(jaxpr.eqns[i].primitive.name) for i in blocking)
+        paths = tuple(p for p in (_first_path(ctx, jaxpr.eqns[i]) for i in blocking) if p)
+        records.append(
+            record(
+                DiagnosticKind.RELATION_PARTIAL_PATH,
+                DiagnosticLevel.WARNING,
+                f"{op.name} at {op.where} (weight {op.weight_path}) also reaches hidden states "
+                f"through {list(prims)} {list(paths)}; that indirect contribution is learned "
+                "from its exact instantaneous gradient, not traced through time.",
+                primitive=op.name,
+                weight_path=op.weight_path,
+                hidden_paths=tuple(connected),
+                blocking_primitives=prims,
+                blocking_weight_paths=paths,
+            )
+        )
+        reasons.append(DiagnosticKind.RELATION_PARTIAL_PATH)
+    if ctx.untraced_routes(op.y):
+        records.append(
+            record(
+                DiagnosticKind.RELATION_UNTRACED_ROUTE,
+                DiagnosticLevel.INFO,
+                f"{op.name} at {op.where} (weight {op.weight_path}) also reaches the step's "
+                "outputs or other weight operations other than through the hidden states it "
+                "traces; those routes contribute their exact instantaneous gradient.",
+                primitive=op.name,
+                weight_path=op.weight_path,
+                weight_paths=op.weight_paths,
+            )
+        )
+        reasons.append(DiagnosticKind.RELATION_UNTRACED_ROUTE)
+    relation = _make_relation(ctx, op, tails, index, bool(blocking), bool(reasons))
+    records.insert(0, _included_record(op, relation))
+    status = EtpStatus(index, bool(reasons), reasons[0] if reasons else None, slots)
+    return relation, records, status
+
+
+def _make_relation(
+    ctx: _Context,
+    op: _Op,
+    tails: list[RelationTail],
+    index: int,
+    partial: bool,
+    untraced: bool,
+) -> HiddenParamOpRelation:
+    x_index = op.spec.x_index
+    x_var: VarId | None = None
+    x_shape: Shape | None = None
+    if x_index is not None:
+        x_atom = op.eqn.invars[x_index]
+        x_shape = tuple(aval_of(x_atom).shape)
+        x_var = ctx.table.id_of(x_atom)
+        if x_var is None:
+            raise WeightNotParamStateError(  # pragma: no cover - literal x is scalar
+                f"{op.name} at {op.where} has a literal data input; pass an array."
+            )
+    return HiddenParamOpRelation(
+        index=index,
+        primitive=op.eqn.primitive,
+        params=FrozenParams(op.eqn.params),
+        eqn_index=op.index,
+        location=op.where,
+        x_var=x_var,
+        y_var=ctx.table.ids[op.y],
+        x_shape=x_shape,
+        y_shape=op.y_shape,
+        dtype=np.dtype(aval_of(op.y).dtype),
+        trainables=tuple(op.trainables),
+        tails=tuple(tails),
+        partial_path=partial,
+        untraced_routes=untraced,
+    )
+
+
+def _included_record(op: _Op, relation: HiddenParamOpRelation) -> CompilationRecord:
+    return record(
+        DiagnosticKind.RELATION_INCLUDED,
+        DiagnosticLevel.INFO,
+        f"{op.name} at {op.where} (weight {op.weight_path}) is traced into hidden group(s) "
+        f"{list(relation.hidden_groups)}.",
+        primitive=op.name,
+        weight_path=op.weight_path,
+        hidden_paths=relation.connected_hidden_paths,
+        hidden_group_indices=relation.hidden_groups,
+        weight_paths=op.weight_paths,
+    )
 
 
 def relate(grouped: GroupedModule) -> RelatedModule:
-    """Find every relation between ETP operations and hidden groups (stage 3)."""
+    """Find every relation between ETP operations and hidden groups, and every use of
+    every parameter with its rule (stage 3)."""
     minfo = grouped.module_info
     groups = grouped.hidden_groups
-    an = analyse_step(minfo)
-    ctx = _Context(minfo, an)
-    table = ctx.table
-    jaxpr = minfo.jaxpr
+    ctx = _Context(minfo, grouped.analyses)
     records: list[CompilationRecord] = list(grouped.diagnostics)
     relations: list[HiddenParamOpRelation] = []
-    operand_eqns: set[int] = set()
-    operand_slots: set[tuple[int, int]] = set()
-
-    for eqn_index in an.etp_equations:
-        eqn = jaxpr.eqns[eqn_index]
-        spec = etp_spec(eqn.primitive)
-        assert spec is not None
-        name = spec.name
-        where = equation_location(eqn)
-        keys = dict(spec.trainable(eqn.params))
-        trainables: list[TrainableOperand] = []
-        for n, (key, idx) in enumerate(keys.items()):
-            operand, failure, eqns = _resolve_operand(ctx, eqn, key, idx)
-            if operand is not None:
-                trainables.append(operand)
-                operand_eqns.update(eqns)
-                operand_slots.add((eqn_index, idx))
-                continue
-            if n == 0:
-                what = (
-                    "depends on the step's inputs or states"
-                    if failure == "data"
-                    else "is a constant, not a brainstate.ParamState"
-                )
-                rec = record(
-                    DiagnosticKind.RELATION_EXCLUDED_NO_PARAMSTATE,
-                    DiagnosticLevel.ERROR,
-                    f"The {key!r} operand of {name} at {where} {what}.",
-                    primitive=name,
-                    key=key,
-                )
-                raise WeightNotParamStateError(
-                    f"The {key!r} operand of the ETP operation {name} at {where} {what}. "
-                    "ETP operations trace trainable weights: store the weight in a "
-                    "brainstate.ParamState (e.g. etrax.nn.Linear), or use plain jax.numpy for "
-                    "fixed or data-dependent matrices.",
-                    [*records, rec],
-                )
-            if failure == "data":
-                records.append(
-                    record(
-                        DiagnosticKind.WEIGHT_OPERAND_NOT_STATIC,
-                        DiagnosticLevel.WARNING,
-                        f"The {key!r} operand of {name} at {where} depends on the step's inputs "
-                        "or states, so it is not traced; its other operands still are.",
-                        primitive=name,
-                        key=key,
-                    )
-                )
-            else:
-                records.append(
-                    record(
-                        DiagnosticKind.TRAINABLE_INVAR_NOT_PARAMSTATE,
-                        DiagnosticLevel.INFO,
-                        f"The {key!r} operand of {name} at {where} is a constant; only the other "
-                        "operands are trained.",
-                        primitive=name,
-                        key=key,
-                    )
-                )
-        weight_path = trainables[0].param_leaves[0][0]
-        weight_paths = tuple(dict.fromkeys(p for t in trainables for p in t.paths))
-
-        src = an.y_sources[eqn_index]
-        y_atom = eqn.outvars[0]
-        y_shape = tuple(aval_of(y_atom).shape)
-        reached = _hidden_targets(ctx, src, groups)
-        tails: list[RelationTail] = []
-        for gi, members in reached.items():
-            g = groups[gi]
-            V = g.varshape
-            offset = len(V) - len(y_shape)
-            member_paths = tuple(p for p, _ in members)
-            if offset < 0 or tuple(V[offset:]) != y_shape:
-                records.append(
-                    record(
-                        DiagnosticKind.RELATION_EXCLUDED_SHAPE_MISMATCH,
-                        DiagnosticLevel.WARNING,
-                        f"{name} at {where} produces y of shape {y_shape}, which does not line up "
-                        f"with the positions {V} of group {gi} {list(g.hidden_paths)}; this "
-                        "connection is not traced.",
-                        primitive=name,
-                        weight_path=weight_path,
-                        hidden_paths=member_paths,
-                        y_shape=y_shape,
-                        hidden_shape=V,
-                        weight_paths=weight_paths,
-                    )
-                )
-                continue
-            expected = tuple(offset + k for k in identity_align(y_shape))
-            reason: str | None = None
-            for _, a in members:
-                if isinstance(a, Mixed):
-                    reason = reason or a.reason
-                elif a != expected:
-                    reason = reason or "y reaches the hidden state at other positions"
-            outputs = [minfo.state_out_atoms(p)[0] for p in g.hidden_paths]
-            program, consts = slice_program(
-                minfo.closed_jaxpr,
-                table,
-                [y_atom],
-                outputs,
-                _tail_filter(an, src),
-            )
-            tails.append(
-                RelationTail(
-                    group_index=gi,
-                    hidden_paths=member_paths,
-                    program=program,
-                    consts=consts,
-                    is_diagonal=reason is None,
-                    mixing_reason=reason,
-                    broadcast_ndim=offset,
-                )
-            )
-            if reason is not None:
-                records.append(
-                    record(
-                        DiagnosticKind.TAIL_MIXES_POSITIONS,
-                        DiagnosticLevel.WARNING,
-                        f"The path from {name} at {where} to group {gi} mixes positions "
-                        f"({reason}); df is taken from the full Jacobian's diagonal and online "
-                        "gradients for this weight are approximate.",
-                        primitive=name,
-                        weight_path=weight_path,
-                        hidden_paths=member_paths,
-                        reason=reason,
-                    )
-                )
-
-        # What else does y reach, through boundaries?
-        blocking = sorted(
-            i for i in an.boundaries if any(an.derived_from(v, {src}) for v in jaxpr.eqns[i].invars)
-        )
-        connected = {p for t in tails for p in groups[t.group_index].hidden_paths}
-        if tails:
-            # an indirect route into a group this relation already traces is dropped
-            blocking_hidden = [i for i in blocking if ctx.reached_hidden(i) & connected]
-        else:
-            blocking_hidden = [i for i in blocking if ctx.reached_hidden(i)]
-        blocking_prims = tuple(str(jaxpr.eqns[i].primitive.name) for i in blocking_hidden)
-        blocking_paths = tuple(
-            p for p in (_first_path(ctx, jaxpr.eqns[i]) for i in blocking_hidden) if p is not None
-        )
-        if not tails:
-            if reached:
-                continue  # excluded by shape, already recorded
-            if any(etp_spec(jaxpr.eqns[i].primitive) is not None for i in blocking_hidden):
-                records.append(
-                    record(
-                        DiagnosticKind.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT,
-                        DiagnosticLevel.WARNING,
-                        f"{name} at {where} (weight {weight_path}) reaches hidden states only "
-                        f"through other weight operations {list(blocking_paths)}; it is not "
-                        "traced through time and learns from its instantaneous gradient only.",
-                        primitive=name,
-                        weight_path=weight_path,
-                        blocking_primitives=blocking_prims,
-                        blocking_weight_paths=blocking_paths,
-                        weight_paths=weight_paths,
-                    )
-                )
-            elif blocking_hidden:
-                records.append(
-                    record(
-                        DiagnosticKind.RELATION_EXCLUDED_MIXING,
-                        DiagnosticLevel.WARNING,
-                        f"{name} at {where} (weight {weight_path}) reaches hidden states only "
-                        f"through position-mixing operations {list(blocking_prims)}; it is not "
-                        "traced through time and learns from its instantaneous gradient only.",
-                        primitive=name,
-                        weight_path=weight_path,
-                        blocking_primitives=blocking_prims,
-                        weight_paths=weight_paths,
-                    )
-                )
-            else:
-                records.append(
-                    record(
-                        DiagnosticKind.RELATION_EXCLUDED_NON_TEMPORAL,
-                        DiagnosticLevel.INFO,
-                        f"{name} at {where} (weight {weight_path}) reaches no hidden state: it is "
-                        "a non-temporal weight (e.g. a readout) and learns from its exact "
-                        "instantaneous gradient.",
-                        primitive=name,
-                        weight_path=weight_path,
-                        weight_paths=weight_paths,
-                    )
-                )
-            continue
-
-        partial = bool(blocking_hidden)
-        x_index = spec.x_index
-        x_var: VarId | None = None
-        x_shape: Shape | None = None
-        if x_index is not None:
-            x_atom = eqn.invars[x_index]
-            x_shape = tuple(aval_of(x_atom).shape)
-            x_var = table.id_of(x_atom)
-            if x_var is None:
-                raise WeightNotParamStateError(  # pragma: no cover - literal x is scalar
-                    f"{name} at {where} has a literal data input; pass an array."
-                )
-        relation = HiddenParamOpRelation(
-            index=len(relations),
-            primitive=eqn.primitive,
-            params=FrozenParams(eqn.params),
-            eqn_index=eqn_index,
-            location=where,
-            x_var=x_var,
-            y_var=table.ids[y_atom],
-            x_shape=x_shape,
-            y_shape=y_shape,
-            dtype=np.dtype(aval_of(y_atom).dtype),
-            trainables=tuple(trainables),
-            tails=tuple(tails),
-            partial_path=partial,
-            untraced_routes=partial
-            or any(not t.is_diagonal for t in tails)
-            or ctx.untraced_routes(y_atom, src),
-        )
-        relations.append(relation)
-        records.append(
-            record(
-                DiagnosticKind.RELATION_INCLUDED,
-                DiagnosticLevel.INFO,
-                f"{name} at {where} (weight {weight_path}) is traced into hidden group(s) "
-                f"{list(relation.hidden_groups)}.",
-                primitive=name,
-                weight_path=weight_path,
-                hidden_paths=relation.connected_hidden_paths,
-                hidden_group_indices=relation.hidden_groups,
-                weight_paths=weight_paths,
-            )
-        )
-        if partial:
-            records.append(
-                record(
-                    DiagnosticKind.RELATION_PARTIAL_PATH,
-                    DiagnosticLevel.WARNING,
-                    f"{name} at {where} (weight {weight_path}) also reaches hidden states through "
-                    f"{list(blocking_prims)} {list(blocking_paths)}; that indirect contribution is "
-                    "not traced.",
-                    primitive=name,
-                    weight_path=weight_path,
-                    hidden_paths=relation.connected_hidden_paths,
-                    blocking_primitives=blocking_prims,
-                    blocking_weight_paths=blocking_paths,
-                )
-            )
-
-    records.extend(_plain_uses(ctx, operand_eqns, operand_slots))
+    status: dict[int, EtpStatus] = {}
+    for eqn_index in ctx.an.etp_equations:
+        op = _Op(ctx, eqn_index, _trainables(ctx, eqn_index, records))
+        relation, recs, status[eqn_index] = _relation(ctx, op, groups, len(relations))
+        records.extend(recs)
+        if relation is not None:
+            relations.append(relation)
+    uses = find_uses(minfo, ctx.table, status)
+    records.extend(_plain_use_records(uses))
     return RelatedModule(
         module_info=minfo,
         hidden_groups=groups,
         hidden_param_op_relations=tuple(relations),
         diagnostics=tuple(records),
+        param_uses=uses,
+        analyses=grouped.analyses,
     )
 
 
-def _plain_uses(
-    ctx: _Context, operand_eqns: set[int], operand_slots: set[tuple[int, int]]
-) -> list[CompilationRecord]:
-    """Records for ParamState leaves used by plain JAX operations."""
-    jaxpr = ctx.table.jaxpr
-    # weight-only values and the ParamState paths they derive from
-    derived: dict[Var, tuple[Path, ...]] = {v: (p,) for v, (p, _) in ctx.leaf_of.items()}
-    first_use: dict[Path, tuple[str, str]] = {}
-    constvars = set(jaxpr.constvars)
-    for i, eqn in enumerate(jaxpr.eqns):
-        ins = [a for a in eqn.invars if isinstance(a, Var)]
-        from_weights = [a for a in ins if a in derived]
-        if not from_weights:
-            continue
-        weight_only = all(a in derived or a in constvars for a in ins)
-        if i in operand_eqns and weight_only:
-            paths = tuple(dict.fromkeys(p for a in from_weights for p in derived[a]))
-            for v in eqn.outvars:
-                if not isinstance(v, DropVar):
-                    derived[v] = paths
-            continue
-        for pos, a in enumerate(eqn.invars):
-            if isinstance(a, Var) and a in derived and (i, pos) not in operand_slots:
-                for p in derived[a]:
-                    first_use.setdefault(p, (str(eqn.primitive.name), equation_location(eqn)))
-        if weight_only and etp_spec(eqn.primitive) is None:
-            paths = tuple(dict.fromkeys(p for a in from_weights for p in derived[a]))
-            for v in eqn.outvars:
-                if not isinstance(v, DropVar):
-                    derived[v] = paths
-    out = []
-    for p, (prim, where) in first_use.items():
-        out.append(
-            record(
-                DiagnosticKind.WEIGHT_PLAIN_USE,
-                DiagnosticLevel.WARNING,
-                f"ParamState {p} is used by the plain JAX operation '{prim}' at {where}; that use "
-                "is not traced through time, so the weight learns from its instantaneous "
-                "gradient there. Use an ETP op (etrax.matmul, etrax.nn.Linear, ...) to trace it.",
-                primitive=prim,
-                weight_path=p,
-            )
+def _plain_use_records(uses: Sequence[ParamUse]) -> list[CompilationRecord]:
+    """One record per ParamState read by plain JAX operations (its first such use)."""
+    first: dict[Path, ParamUse] = {}
+    for u in uses:
+        if u.reason in (DiagnosticKind.WEIGHT_PLAIN_USE, DiagnosticKind.WEIGHT_OPERAND_NOT_STATIC):
+            for p in u.paths:
+                first.setdefault(p, u)
+    return [
+        record(
+            DiagnosticKind.WEIGHT_PLAIN_USE,
+            DiagnosticLevel.WARNING,
+            f"ParamState {p} is used by the plain JAX operation '{u.primitive}' at "
+            f"{u.location}; that use is not traced through time, so the weight learns from "
+            "its exact instantaneous gradient there. Use an ETP op (etrax.matmul, "
+            "etrax.nn.Linear, ...) to trace it.",
+            primitive=u.primitive,
+            weight_path=p,
         )
-    return out
+        for p, u in first.items()
+    ]
 
 
 def find_hidden_param_op_relations_from_minfo(

@@ -12,7 +12,9 @@ from .._typing import Path, VarId
 from ._diagnostics import CompilationRecord
 from ._group import HiddenGroup
 from ._module_info import ModuleInfo
+from ._analysis import Analyses
 from ._relate import HiddenParamOpRelation, RelatedModule
+from ._uses import ParamUse
 
 __all__ = ["RewrittenModule", "needed_values", "rewrite"]
 
@@ -24,6 +26,8 @@ class RewrittenModule(eqx.Module):
     hidden_groups: tuple[HiddenGroup, ...]
     hidden_param_op_relations: tuple[HiddenParamOpRelation, ...]
     diagnostics: tuple[CompilationRecord, ...] = eqx.field(static=True)
+    param_uses: tuple[ParamUse, ...] = eqx.field(static=True)
+    analyses: Analyses = eqx.field(static=True)
 
     @property
     def hid_path_to_group(self) -> dict[Path, HiddenGroup]:
@@ -60,4 +64,6 @@ def rewrite(related: RelatedModule) -> RewrittenModule:
         hidden_groups=related.hidden_groups,
         hidden_param_op_relations=related.hidden_param_op_relations,
         diagnostics=related.diagnostics,
+        param_uses=related.param_uses,
+        analyses=related.analyses,
     )

@@ -13,7 +13,14 @@ from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import ETraceGraph, StateInfo, StateKind
 
-__all__ = ["ModelState", "check_inputs", "check_state", "state_of", "write_back"]
+__all__ = [
+    "ModelState",
+    "check_inputs",
+    "check_sequence_length",
+    "check_state",
+    "state_of",
+    "write_back",
+]
 
 
 class ModelState(eqx.Module):
@@ -168,6 +175,15 @@ def shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
     if isinstance(shape, tuple) and dtype is not None:
         return shape, np.dtype(dtype)
     return tuple(np.shape(leaf)), np.dtype(jnp.result_type(leaf))
+
+
+def check_sequence_length(length: int) -> None:
+    """Raise `StepInputError` for an empty sequence (no step along the time axis)."""
+    if length == 0:
+        raise StepInputError(
+            "the sequence is empty (T = 0): the leading time axis of xs (and targets) has "
+            "length 0. Pass at least one step, or skip the call for an empty sequence."
+        )
 
 
 def fast_check_state(graph: ETraceGraph, state: ModelState) -> None:

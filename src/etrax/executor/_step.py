@@ -18,7 +18,14 @@ from .._errors import StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree, VarId
 from ..compiler import ETraceGraph, StateKind
-from ._state import ModelState, check_inputs, check_state, fast_check, flat_state
+from ._state import (
+    ModelState,
+    check_inputs,
+    check_sequence_length,
+    check_state,
+    fast_check,
+    flat_state,
+)
 
 __all__ = [
     "Pullback",
@@ -265,6 +272,7 @@ def _check_sequence(graph: ETraceGraph, xs: Any) -> tuple[int, tuple[Any, ...]]:
         shown = sorted(str(n) if n >= 0 else "none" for n in lengths)
         raise StepInputError(f"every leaf of xs needs the same leading time axis, got {shown}")
     (T,) = lengths
+    check_sequence_length(T)
     first = jax.tree.map(lambda a: a[0], xs)
     args = as_args(graph, first)
     check_inputs(graph, args)

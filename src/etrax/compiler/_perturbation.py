@@ -1,0 +1,94 @@
+"""The `HiddenPerturbation` artifact: the step with zero perturbations added."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from .._typing import Path, Shape
+from ._group import HiddenGroup
+from ._jaxpr import Program
+
+__all__ = ["HiddenPerturbation"]
+
+
+class HiddenPerturbation(eqx.Module):
+    """The perturbed step: inputs ``[flat args, flat states, p..., q..., δ...]``.
+
+    **Arguments:**
+
+    - `perturb_hidden_paths`: the hidden states perturbed, in compiled order (one
+      perturbation ``p`` of the new value and one ``q`` of the old value each,
+      shaped like the state).
+    - `shapes`, `dtypes`: of each perturbation.
+    - `program`: the perturbed step; its outputs are those of the rewritten step.
+    - `direct_paths`: hidden states whose old value reaches the outputs other than
+      through a new hidden value (``q`` matters only for these).
+    - `use_indices`: the parameter uses (`ETraceGraph.param_uses`) that get a
+      perturbation ``δ`` of the weight value they read; `use_shapes`, `use_dtypes`
+      their avals.
+    """
+
+    perturb_hidden_paths: tuple[Path, ...] = eqx.field(static=True)
+    shapes: tuple[Shape, ...] = eqx.field(static=True)
+    dtypes: tuple[np.dtype[Any], ...] = eqx.field(static=True)
+    program: Program = eqx.field(static=True)
+    direct_paths: tuple[Path, ...] = eqx.field(static=True, default=())
+    use_indices: tuple[int, ...] = eqx.field(static=True, default=())
+    use_shapes: tuple[Shape, ...] = eqx.field(static=True, default=())
+    use_dtypes: tuple[np.dtype[Any], ...] = eqx.field(static=True, default=())
+
+    @property
+    def perturb_jaxpr(self) -> Any:
+        return self.program.closed
+
+    def init_perturb_data(self) -> list[Array]:
+        """Zero perturbations."""
+        return [jnp.zeros(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
+
+    def init_use_data(self) -> list[Array]:
+        """Zero use perturbations ``δ``."""
+        return [jnp.zeros(s, d) for s, d in zip(self.use_shapes, self.use_dtypes, strict=True)]
+
+    def eval_jaxpr(
+        self,
+        flat_inputs: Sequence[Any],
+        perturb_data: Sequence[Any],
+        old_perturb_data: Sequence[Any] | None = None,
+        use_data: Sequence[Any] | None = None,
+    ) -> list[Any]:
+        """Evaluate the perturbed step on flat inputs and perturbations (``q = 0`` and
+        ``δ = 0`` unless `old_perturb_data` / `use_data` are given)."""
+        if len(perturb_data) != len(self.shapes):
+            raise ValueError(
+                f"expected {len(self.shapes)} perturbations (one per hidden state "
+                f"{list(self.perturb_hidden_paths)}), got {len(perturb_data)}"
+            )
+        if old_perturb_data is None:
+            old_perturb_data = [jnp.zeros_like(p) for p in perturb_data]
+        if use_data is None:
+            use_data = self.init_use_data()
+        return self.program(*flat_inputs, *perturb_data, *old_perturb_data, *use_data)
+
+    def perturb_data_to_hidden_group_data(
+        self, data: Sequence[Array] | Mapping[Path, Array], groups: Sequence[HiddenGroup]
+    ) -> list[Array]:
+        """Arrange per-state perturbation gradients into one slab per group."""
+        if isinstance(data, Mapping):
+            by_path = dict(data)
+        else:
+            if len(data) != len(self.perturb_hidden_paths):
+                raise ValueError(
+                    f"expected {len(self.perturb_hidden_paths)} values, got {len(data)}"
+                )
+            by_path = dict(zip(self.perturb_hidden_paths, data, strict=True))
+        out = []
+        for g in groups:
+            missing = [p for p in g.hidden_paths if p not in by_path]
+            if missing:
+                raise ValueError(f"no perturbation gradient for hidden state(s) {missing}")
+            out.append(g.concat_hidden([by_path[p] for p in g.hidden_paths]))
+        return out

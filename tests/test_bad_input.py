@@ -1,0 +1,360 @@
+"""Bad input (issue 8): a typed etrax error before any XLA compilation, naming the
+state and what to do, with the model's brainstate states left as they were.
+
+`test_errors.py` covers the compile-time structure errors; this file covers state
+shapes and dtypes that change within a step, integer weights, empty sequences,
+exceptions raised by the user's loss and `PPProp`'s argument types.
+"""
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, ArrayLike
+
+import etrax
+
+from .models import LeakyLinear, build
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def no_xla_compilation() -> Iterator[None]:
+    """Fail if XLA compiles anything inside the block."""
+    compiled: list[str] = []
+
+    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == _COMPILE_EVENT:
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiled, f"{len(compiled)} XLA compilation(s) before the error"
+
+
+def snapshot(model: brainstate.nn.Module) -> dict[Any, list[Any]]:
+    """The leaves of every state's value (the objects themselves)."""
+    return {p: jax.tree.leaves(s.value) for p, s in model.states().items()}
+
+
+def assert_unchanged(model: brainstate.nn.Module, before: dict[Any, list[Any]]) -> None:
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for p, leaves in before.items():
+        assert len(after[p]) == len(leaves)
+        for old, new in zip(leaves, after[p], strict=True):
+            assert new is old, f"state {p} was rebound"
+
+
+def mse(y: Array, t: Array) -> Array:
+    return jnp.mean((y - t) ** 2)
+
+
+# --- 1. a step that changes a state's shape or dtype -----------------------------------------
+
+
+class Float32State(brainstate.nn.Module):
+    """A float32 hidden state whose update promotes it to float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4, jnp.float32))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.5 * self.h.value.astype(jnp.float64) + self.fc(x)
+        self.h.value = h
+        return h
+
+
+class GrowingShortTerm(brainstate.nn.Module):
+    """A ShortTermState that gains an axis every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = LeakyLinear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.log = brainstate.ShortTermState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = self.inner(x)
+        self.log.value = jnp.stack([self.log.value, h])
+        return h
+
+
+@pytest.mark.parametrize(
+    ("make", "x", "patterns"),
+    [
+        (
+            lambda: LeakyLinear(3, 4),
+            jnp.ones((2, 3)),
+            [r"HiddenState \('h',\)", r"shape \(4,\) to \(2, 4\)", r"batch_size=2"],
+        ),
+        (
+            lambda: etrax.nn.LIF(4),
+            jnp.ones((5, 4)),
+            [r"\('V',\)", r"shape \(4,\) to \(5, 4\)", r"init_all_states\(model, batch_size=5\)"],
+        ),
+        (
+            Float32State,
+            jnp.ones(3),
+            [r"\('h',\)", "dtype float32 to float64", r"Cast the new value to float32"],
+        ),
+        (
+            GrowingShortTerm,
+            jnp.ones(3),
+            [r"ShortTermState \('log',\)", r"shape \(4,\) to \(2, 4\)"],
+        ),
+    ],
+    ids=["batched_input_unbatched_state", "lif_batched_input", "dtype", "short_term"],
+)
+def test_step_changes_a_state(
+    make: Callable[[], brainstate.nn.Module], x: Array, patterns: list[str]
+) -> None:
+    model = make()
+    brainstate.nn.init_all_states(model)  # no batch_size: the common mistake
+    before = snapshot(model)
+    with no_xla_compilation(), pytest.raises(etrax.StateShapeChangedError) as info:
+        etrax.compile_etrace_graph(model, x)
+    for pattern in patterns:
+        assert re.search(pattern, str(info.value)), (pattern, str(info.value))
+    assert isinstance(info.value, etrax.CompilationError)
+    assert_unchanged(model, before)
+
+
+def test_batched_states_still_compile() -> None:
+    # the fix the message gives works
+    model = LeakyLinear(3, 4)
+    brainstate.nn.init_all_states(model, batch_size=2)
+    graph = etrax.compile_etrace_graph(model, jnp.ones((2, 3)))
+    assert graph.module_info.state_info(("h",)).shapes == ((2, 4),)
+
+
+# --- 2. integer ParamStates -------------------------------------------------------------------
+
+
+class IntTable(brainstate.nn.Module):
+    """A recurrence through a permutation table; `kind` says where the table lives."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+        perm = jnp.array([3, 2, 1, 0])
+        if kind == "param":
+            self.perm: Any = brainstate.ParamState(perm)
+        elif kind == "param_dict":
+            self.perm = brainstate.ParamState({"idx": perm, "scale": jnp.ones(4)})
+        else:
+            self.perm = brainstate.State(perm)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        value = self.perm.value
+        idx = value["idx"] if isinstance(value, dict) else value
+        h = 0.5 * self.h.value[idx] + self.fc(x)
+        self.h.value = h
+        return h
+
+
+@pytest.mark.parametrize(("kind", "where"), [("param", r"\('perm',\)"), ("param_dict", "'idx'")])
+def test_integer_param_state_is_refused(kind: str, where: str) -> None:
+    model = IntTable(kind)
+    brainstate.nn.init_all_states(model)
+    before = snapshot(model)
+    with no_xla_compilation(), pytest.raises(etrax.WeightNotFloatError, match=where) as info:
+        etrax.compile_etrace_graph(model, jnp.ones(3))
+    message = str(info.value)
+    assert "int64" in message and "brainstate.State" in message and "constant" in message
+    assert isinstance(info.value, etrax.NotSupportedError)
+    assert info.value.records[-1].kind is etrax.DiagnosticKind.WEIGHT_NOT_FLOAT
+    assert info.value.records[-1].weight_path == ("perm",)
+    assert_unchanged(model, before)
+
+
+def test_integer_table_in_a_plain_state_trains() -> None:
+    # the fix the message gives works end to end
+    model = IntTable("state")
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    state = etrax.state_of(graph)
+    xs, ts = jnp.ones((3, 3)), jnp.zeros((3, 4))
+    grads, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
+    assert set(grads) == {("fc", "weight")}
+
+
+# --- 3. empty sequences -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def problem() -> tuple[etrax.ETraceGraph, etrax.ModelState]:
+    model, x = build(LeakyLinear, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    return graph, etrax.state_of(graph)
+
+
+ALGORITHMS = {
+    "drtrl_chunked": etrax.DRTRL(),
+    "drtrl_per_step": etrax.DRTRL(chunk_steps=1),
+    "drtrl_chunk_3": etrax.DRTRL(chunk_steps=3),
+    "pp_prop": etrax.PPProp(0.5),
+    "pp_prop_chunk_3": etrax.PPProp(0.5, chunk_steps=3),
+    "e_prop": etrax.EProp(),
+    "e_prop_filtered": etrax.EProp(kappa=0.5),
+}
+
+
+def _empty_error(call: Callable[[], Any]) -> str:
+    with no_xla_compilation(), pytest.raises(etrax.StepInputError, match=r"T = 0") as info:
+        call()
+    return str(info.value)
+
+
+def test_empty_sequence_same_error_everywhere(
+    problem: tuple[etrax.ETraceGraph, etrax.ModelState],
+) -> None:
+    graph, state = problem
+    xs, ts = jnp.ones((0, 3)), jnp.ones((0, 4))
+    traces = {name: algo.init(graph, state) for name, algo in ALGORITHMS.items()}
+    messages = {
+        name: _empty_error(
+            functools.partial(etrax.online_grad, graph, algo, state, traces[name], xs, ts, mse)
+        )
+        for name, algo in ALGORITHMS.items()
+    }
+    algo, tr = ALGORITHMS["drtrl_per_step"], traces["drtrl_per_step"]
+    messages["window"] = _empty_error(
+        functools.partial(etrax.online_grad, graph, algo, state, tr, xs, ts, mse, window=2)
+    )
+    messages["bptt"] = _empty_error(functools.partial(etrax.bptt_grad, graph, state, xs, ts, mse))
+    messages["multi_step"] = _empty_error(functools.partial(etrax.multi_step, graph, state, xs))
+    assert len(set(messages.values())) == 1, messages
+
+
+# --- 4. exceptions raised by the user's loss ----------------------------------------------------
+
+
+def _drivers(
+    problem: tuple[etrax.ETraceGraph, etrax.ModelState],
+) -> list[Callable[[Any, Callable[[Any, Any], Array]], Any]]:
+    graph, state = problem
+    xs = jnp.ones((4, 3))
+    algo = etrax.DRTRL(chunk_steps=1)
+    traces = algo.init(graph, state)
+    return [
+        lambda ts, f: etrax.online_grad(graph, algo, state, traces, xs, ts, f),
+        lambda ts, f: etrax.bptt_grad(graph, state, xs, ts, f),
+    ]
+
+
+def _key_error(y: Array, t: Array) -> Array:
+    return {"a": y}["b"]
+
+
+def _zero_division(y: Array, t: Array) -> Array:
+    return jnp.sum(y) / (1 // 0)
+
+
+def _runtime_error(y: Array, t: Array) -> Array:
+    raise RuntimeError("boom")
+
+
+def _own_value_error(y: Array, t: Array) -> Array:
+    raise ValueError("my loss is not configured")
+
+
+def _own_type_error(y: Array, t: Array) -> Array:
+    return mse(y, t) + jnp.zeros(2)[None, :, None] @ jnp.zeros((3, 1))
+
+
+@pytest.mark.parametrize(
+    ("loss", "error", "message"),
+    [
+        (_runtime_error, RuntimeError, "boom"),
+        (_key_error, KeyError, "'b'"),
+        (_zero_division, ZeroDivisionError, "division"),
+        (_own_value_error, ValueError, "my loss is not configured"),
+        (_own_type_error, TypeError, "dot_general"),
+    ],
+    ids=["runtime", "key", "zero_division", "value", "type"],
+)
+def test_loss_exception_propagates_unchanged(
+    problem: tuple[etrax.ETraceGraph, etrax.ModelState],
+    loss: Callable[[Any, Any], Array],
+    error: type[Exception],
+    message: str,
+) -> None:
+    with pytest.raises(error) as expected:
+        loss(jnp.ones(4), jnp.ones(4))
+    ts = jnp.zeros((4, 4))
+    for run in _drivers(problem):
+        with no_xla_compilation(), pytest.raises(error, match=message) as info:
+            run(ts, loss)
+        assert type(info.value) is type(expected.value)
+        assert not isinstance(info.value, etrax.EtraxError)
+        assert str(info.value) == str(expected.value)
+
+
+def test_targets_that_do_not_fit_are_blamed(
+    problem: tuple[etrax.ETraceGraph, etrax.ModelState],
+) -> None:
+    def tree_mse(y: Array, t: Any) -> Array:
+        return sum(jax.tree.leaves(jax.tree.map(mse, y, t)), start=jnp.zeros(()))
+
+    wide = jnp.zeros((4, 5))
+    bad = {"a": jnp.zeros((4, 4)), "b": jnp.zeros((4, 4))}
+    for run in _drivers(problem):
+        # a shape that does not broadcast against y_t
+        with no_xla_compilation(), pytest.raises(etrax.StepInputError, match=r"\(4,\).*\(5,\)"):
+            run(wide, mse)
+        # a structure that does not match y_t
+        with no_xla_compilation(), pytest.raises(etrax.StepInputError, match="fit loss_fn"):
+            run(bad, tree_mse)
+
+
+# --- 5. PPProp's argument types -----------------------------------------------------------------
+
+
+def test_pp_prop_accepts_numpy_numbers() -> None:
+    reference = etrax.PPProp(decay=2, chunk_steps=3)
+    algo = etrax.PPProp(decay=np.int64(2), chunk_steps=np.int64(3))
+    assert algo.decay == pytest.approx(1 / 3) and type(algo.decay) is float
+    assert algo.chunk_steps == 3 and type(algo.chunk_steps) is int
+    assert algo == reference and hash(algo) == hash(reference)  # one jit cache entry
+    assert etrax.PPProp(np.int32(1)).decay == 0.0
+    for decay in (np.float32(0.5), np.float64(0.5), np.array(0.5)):
+        value = etrax.PPProp(decay).decay
+        assert value == 0.5 and type(value) is float
+
+
+# Under the suite's runtime type checking, values outside the annotation are refused by
+# the checker (also a TypeError naming the argument); the others reach PPProp's own check.
+@pytest.mark.parametrize("decay", ["0.5", "2", None, [0.5], True, np.True_, 0.5j])
+def test_pp_prop_refuses_non_numbers(decay: Any) -> None:
+    with pytest.raises(TypeError, match="decay") as info:
+        etrax.PPProp(decay)
+    if isinstance(decay, bool | np.bool_ | complex):
+        assert "decay must be a float in [0, 1) or an integer rank >= 1" in str(info.value)
+
+
+@pytest.mark.parametrize("steps", ["2", 2.0, None, True, np.True_])
+def test_pp_prop_refuses_non_integer_chunk_steps(steps: Any) -> None:
+    with pytest.raises(TypeError, match="chunk_steps") as info:
+        etrax.PPProp(0.5, chunk_steps=steps)
+    if isinstance(steps, bool):
+        assert "chunk_steps must be a positive int (Python or NumPy integer)" in str(info.value)
