@@ -158,11 +158,11 @@ def brainstate_grads(
     start = [state.value(p) for p in paths]
 
     def total(params: Mapping[Path, Any]) -> Array:
-        vals = [params[p] if p in params else v for p, v in zip(paths, start, strict=True)]
+        vals = [params.get(p, v) for p, v in zip(paths, start, strict=True)]
 
         def body(vals: list[Any], inp: tuple[Array, Array]) -> tuple[list[Any], Array]:
             new, out = fn.jaxpr_call(vals, inp[0])
-            new = [params[p] if p in params else v for p, v in zip(paths, new, strict=True)]
+            new = [params.get(p, v) for p, v in zip(paths, new, strict=True)]
             return new, loss_fn(out, inp[1])
 
         _, losses = jax.lax.scan(body, vals, (xs, targets))

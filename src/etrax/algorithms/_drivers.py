@@ -14,15 +14,21 @@ from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import ETraceGraph
-from ..executor import ModelState, StepJacobians
-from ..executor._state import (
+from ..executor import (
+    ModelState,
+    StepJacobians,
+    as_args,
     check_sequence_length,
     fast_check_inputs,
     fast_check_state,
     flat_state,
+    forward_pure,
+    next_state,
     shape_dtype,
+    step_env,
+    step_jacobians,
+    step_pure,
 )
-from ..executor._step import _env, _forward_impl, _jacobians, _new_state, _step_impl, as_args
 from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, zeros_eff
 from ._kernels import instant_contribution
 from ._plan import plan_of
@@ -57,9 +63,7 @@ def _step_grads(
     flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
 
     def f(perturbs: list[Array], olds: list[Array], deltas: list[Array]) -> Any:
-        out, hidden, other, hoisted = mi.split_outputs(
-            hp.eval_jaxpr(flat, perturbs, olds, deltas)
-        )
+        out, hidden, other, hoisted = mi.split_outputs(hp.eval_jaxpr(flat, perturbs, olds, deltas))
         return out, (hidden, other, hoisted)
 
     zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
@@ -70,8 +74,8 @@ def _step_grads(
     groups = graph.hidden_groups
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
     olds = tuple(hp.perturb_data_to_hidden_group_data(g_old, groups))
-    jac = _jacobians(graph, _env(graph, flat, hidden, hoisted))
-    return loss, _new_state(graph, state, hidden, other), jac, signals, olds, list(g_use)
+    jac = step_jacobians(graph, step_env(graph, flat, hidden, hoisted))
+    return loss, next_state(graph, state, hidden, other), jac, signals, olds, list(g_use)
 
 
 def _overlap(
@@ -221,7 +225,7 @@ def _window_impl(
         def window_loss(params: PathDict[PyTree], hidden: PathDict[PyTree]) -> Any:
             def body(s: ModelState, a: Any) -> Any:
                 x, t = a
-                out, s2, jac = _step_impl(graph, s, as_args(graph, x), False)
+                out, s2, jac = step_pure(graph, s, as_args(graph, x), False)
                 return s2, (loss_fn(out, t), jac)
 
             s_end, (losses, jacs) = jax.lax.scan(
@@ -321,7 +325,7 @@ def _check_loss(
         )
     first = _step_structs(xs)
     target0 = _step_structs(targets)
-    y = jax.eval_shape(lambda s, x: _forward_impl(graph, s, as_args(graph, x))[0], state, first)
+    y = jax.eval_shape(lambda s, x: forward_pure(graph, s, as_args(graph, x))[0], state, first)
     try:
         out = jax.eval_shape(loss_fn, y, target0)
     except (TypeError, ValueError) as err:
@@ -348,23 +352,22 @@ def _avals(tree: Any) -> Any:
     return treedef, tuple(shape_dtype(a) for a in leaves)
 
 
+def _checked(graph: ETraceGraph) -> set[Any]:
+    return graph.memo.get("checked", set)
+
+
 def _seen(graph: ETraceGraph, key: Any) -> bool:
     """Whether these argument types were already validated for `graph` (the checks
     trace the step, so they run once per graph and argument types)."""
-    checked = graph.__dict__.get("_etrax_checked")
     try:
-        return checked is not None and key in checked
+        return key in _checked(graph)
     except TypeError:  # an unhashable loss_fn: always check
         return False
 
 
 def _remember(graph: ETraceGraph, key: Any) -> None:
-    checked = graph.__dict__.get("_etrax_checked")
-    if checked is None:
-        checked = set()
-        object.__setattr__(graph, "_etrax_checked", checked)
     with contextlib.suppress(TypeError):  # an unhashable loss_fn is never cached
-        checked.add(key)
+        _checked(graph).add(key)
 
 
 def online_grad(
@@ -443,7 +446,7 @@ def _bptt_impl(
     def total(params: PathDict[PyTree]) -> Any:
         def body(s: ModelState, inp: Any) -> Any:
             x, t = inp
-            out, s2 = _forward_impl(graph, s, as_args(graph, x))
+            out, s2 = forward_pure(graph, s, as_args(graph, x))
             return s2, loss_fn(out, t)
 
         final, losses = jax.lax.scan(body, state.replace_params(params), (xs, targets))

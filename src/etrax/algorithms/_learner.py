@@ -13,8 +13,7 @@ import brainstate
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import CompilationReport, ETraceGraph, compile_etrace_graph
-from ..executor import ModelState, state_of
-from ..executor._state import write_back
+from ..executor import ModelState, state_of, write_back
 from ._base import OnlineAlgorithm, check_relations
 from ._drivers import LossFn, bptt_grad, online_grad
 from ._drtrl import DRTRL, EProp

@@ -110,10 +110,5 @@ class Plan:
 
 
 def plan_of(graph: ETraceGraph) -> Plan:
-    """The graph's `Plan`, computed once and kept on the graph object."""
-    plan = graph.__dict__.get("_etrax_plan")
-    if plan is None:
-        plan = Plan(graph)
-        object.__setattr__(graph, "_etrax_plan", plan)
-    assert isinstance(plan, Plan)
-    return plan
+    """The graph's `Plan`, computed once per graph (kept in `graph.memo`)."""
+    return graph.memo.get("plan", lambda: Plan(graph))

@@ -1,7 +1,8 @@
 """The eligibility-trace compiler: ``compose(extract, group, relate, rewrite, perturb)``."""
 
-from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
 from ._compile import compile_etrace_graph, compose
+from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
+from ._extract import extract, extract_module_info
 from ._graph import ETraceGraph, WeightRule, WeightStatus
 from ._group import (
     GroupedModule,
@@ -11,7 +12,7 @@ from ._group import (
     group,
 )
 from ._jaxpr import Program
-from ._module_info import ModuleInfo, StateInfo, StateKind, extract, extract_module_info
+from ._module_info import ModuleInfo, StateInfo, StateKind
 from ._perturb import (
     add_hidden_perturbation_from_minfo,
     add_hidden_perturbation_in_module,

@@ -6,9 +6,9 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import brainstate
 
+from ._extract import extract
 from ._graph import ETraceGraph
 from ._group import group
-from ._module_info import extract
 from ._perturb import perturb
 from ._relate import relate
 from ._rewrite import rewrite

@@ -1,8 +1,8 @@
 """The compiled `ETraceGraph`: the artifact every later layer reads."""
 
 import enum
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, final
 
 import equinox as eqx
 
@@ -15,7 +15,38 @@ from ._perturbation import HiddenPerturbation
 from ._relate import HiddenParamOpRelation
 from ._uses import ParamUse, UseRule
 
-__all__ = ["ETraceGraph", "WeightRule", "WeightStatus"]
+__all__ = ["ETraceGraph", "GraphMemo", "WeightRule", "WeightStatus"]
+
+_T = TypeVar("_T")
+
+
+@final
+class GraphMemo:
+    """Derived static data of one graph that later layers compute on first use (the
+    executor's input signature, an algorithm's plan, the argument types a driver has
+    validated). Held in a declared field of `ETraceGraph`; never part of the graph's
+    identity (all memos compare equal)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[str, Any] = {}
+
+    def get(self, key: str, build: Callable[[], _T]) -> _T:
+        """The value stored under `key`, built by `build()` the first time."""
+        if key not in self._data:
+            self._data[key] = build()
+        value: _T = self._data[key]
+        return value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GraphMemo)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return f"GraphMemo({sorted(self._data)})"
 
 
 class WeightRule(enum.Enum):
@@ -67,6 +98,7 @@ class ETraceGraph(eqx.Module):
     - `hidden_perturb`: the `HiddenPerturbation`, or `None` if not requested.
     - `diagnostics`: every `CompilationRecord`, in emission order.
     - `param_uses`: every use of every ParamState, with its `UseRule`.
+    - `memo`: derived static data later layers build once per graph (`GraphMemo`).
     """
 
     module_info: ModuleInfo
@@ -75,6 +107,7 @@ class ETraceGraph(eqx.Module):
     hidden_perturb: HiddenPerturbation | None
     diagnostics: tuple[CompilationRecord, ...] = eqx.field(static=True)
     param_uses: tuple[ParamUse, ...] = eqx.field(static=True, default=())
+    memo: GraphMemo = eqx.field(static=True, default_factory=GraphMemo, repr=False)
 
     def __hash__(self) -> int:
         cached = self.__dict__.get("_etrax_hash")
@@ -249,4 +282,3 @@ def _status(path: Path, uses: Sequence[ParamUse]) -> WeightStatus:
         plain_use=any(u.reason is DiagnosticKind.WEIGHT_PLAIN_USE for u in uses),
         uses=tuple(uses),
     )
-

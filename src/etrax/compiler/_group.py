@@ -21,8 +21,9 @@ from .._compat import Var, vary_like
 from .._typing import Path, Shape, VarId
 from ._analysis import Analyses, StepAnalysis, analyse_step
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
+from ._extract import extract
 from ._jaxpr import Program, forward_closure, slice_program
-from ._module_info import ModuleInfo, StateInfo, extract
+from ._module_info import ModuleInfo, StateInfo
 from ._positions import Mixed, identity_align
 
 __all__ = [

@@ -24,20 +24,17 @@ instantaneous gradient.
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array
 
 from .._compat import DropVar, Literal, Var, bind_equation, shape_struct, struct_of
-from .._typing import Path, Shape
 from ..ops import etp_spec
 from ._analysis import Analyses
+from ._extract import extract
 from ._graph import ETraceGraph
 from ._group import HiddenGroup, group
 from ._jaxpr import Program
-from ._module_info import ModuleInfo, StateKind, extract
+from ._module_info import ModuleInfo, StateKind
 from ._perturbation import HiddenPerturbation
 from ._relate import relate
 from ._rewrite import RewrittenModule, rewrite

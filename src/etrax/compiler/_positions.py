@@ -322,12 +322,11 @@ def _full_extent(
     return fn
 
 
-def positions_rule(
-    eqn: JaxprEqn,
-    in_maps: Sequence[AlignMap],
-    recurse: Callable[[ClosedJaxpr, Sequence[AlignMap]], list[AlignMap]],
-) -> list[AlignMap]:
-    """Alignment of an equation's outputs given its inputs' alignments."""
+Recurse: TypeAlias = Callable[[ClosedJaxpr, Sequence[AlignMap]], list[AlignMap]]
+
+
+def _shape_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap] | None:
+    """Element-wise, broadcasting, reshaping, transposing and reducing primitives."""
     name = str(eqn.primitive.name)
     n_out = len(eqn.outvars)
     params = eqn.params
@@ -376,6 +375,16 @@ def positions_rule(
             return tuple(x - sum(d < x for d in axes) for x in a)
 
         return [_remap(first, reduce_fn)] * n_out
+    return None
+
+
+def _axis_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap] | None:
+    """Primitives that run along one axis (scans, sorts, reversals)."""
+    name = str(eqn.primitive.name)
+    n_out = len(eqn.outvars)
+    params = eqn.params
+    first: AlignMap = in_maps[0] if in_maps else {}
+
     if name in _CUMULATIVE:
         axis = params["axis"]
         return [
@@ -403,6 +412,16 @@ def positions_rule(
                 first, _full_extent(eqn, lambda x: x not in dims, "rev reverses a position axis")
             )
         ]
+    return None
+
+
+def _window_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap] | None:
+    """Primitives that cut, pad, join or stack along axes."""
+    name = str(eqn.primitive.name)
+    n_out = len(eqn.outvars)
+    params = eqn.params
+    first: AlignMap = in_maps[0] if in_maps else {}
+
     if name == "slice":
         shape = _aval_shape(eqn.invars[0])
         starts, limits = params["start_indices"], params["limit_indices"]
@@ -461,6 +480,17 @@ def positions_rule(
         return [_remap(merged, lambda a: tuple(x + (x >= axis) for x in a))]
     if name == "iota":
         return [{}]
+    return None
+
+
+def _structured_rule(
+    eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse
+) -> list[AlignMap]:
+    """Contractions, gathers, scatters, calls, ``cond`` and (conservatively) the rest."""
+    name = str(eqn.primitive.name)
+    n_out = len(eqn.outvars)
+    params = eqn.params
+
     if name == "dot_general":
         return [_dot_general(eqn, in_maps)]
     if name == "gather":
@@ -499,6 +529,19 @@ def positions_rule(
     sources = {s for m in in_maps for s in m}
     reason = f"primitive '{name}' is not known to keep positions apart"
     return [{s: Mixed(reason) for s in sorted(sources)} for _ in range(n_out)]
+
+
+def positions_rule(
+    eqn: JaxprEqn,
+    in_maps: Sequence[AlignMap],
+    recurse: Recurse,
+) -> list[AlignMap]:
+    """Alignment of an equation's outputs given its inputs' alignments."""
+    for rule in (_shape_rule, _axis_rule, _window_rule):
+        out = rule(eqn, in_maps)
+        if out is not None:
+            return out
+    return _structured_rule(eqn, in_maps, recurse)
 
 
 def analyse(

@@ -37,11 +37,12 @@ from .._typing import Path, Shape, VarId
 from ..ops import ETPOpSpec, etp_spec
 from ._analysis import Analyses
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
+from ._extract import extract
 from ._group import GroupedModule, HiddenGroup, group
 from ._jaxpr import Program, VarTable, forward_closure, slice_program
-from ._module_info import ModuleInfo, StateKind, extract
-from ._uses import EtpStatus, ParamUse, find_uses
+from ._module_info import ModuleInfo, StateKind
 from ._positions import Mixed, identity_align
+from ._uses import EtpStatus, ParamUse, find_uses
 
 __all__ = [
     "FrozenParams",

@@ -6,17 +6,22 @@ program. Values that already are step inputs (old states, arguments, jaxpr
 constants) are not hoisted: the executor has them anyway.
 """
 
+import dataclasses
+from collections.abc import Sequence
+
 import equinox as eqx
 
+from .._compat import ClosedJaxpr, replace_outvars
 from .._typing import Path, VarId
+from ._analysis import Analyses
 from ._diagnostics import CompilationRecord
 from ._group import HiddenGroup
+from ._jaxpr import Program, VarTable
 from ._module_info import ModuleInfo
-from ._analysis import Analyses
 from ._relate import HiddenParamOpRelation, RelatedModule
 from ._uses import ParamUse
 
-__all__ = ["RewrittenModule", "needed_values", "rewrite"]
+__all__ = ["RewrittenModule", "hoist_outputs", "needed_values", "rewrite"]
 
 
 class RewrittenModule(eqx.Module):
@@ -52,6 +57,23 @@ def needed_values(
     return list(dict.fromkeys(need))
 
 
+def hoist_outputs(minfo: ModuleInfo, var_ids: Sequence[VarId]) -> ModuleInfo:
+    """A copy of `minfo` whose step also returns the values of `var_ids` (after the
+    existing outputs, in order, skipping ids already hoisted)."""
+    table = VarTable(minfo.jaxpr)
+    new = [v for v in dict.fromkeys(var_ids) if v not in minfo.hoisted]
+    if not new:
+        return minfo
+    jaxpr = minfo.jaxpr
+    extended = replace_outvars(jaxpr, [*jaxpr.outvars, *(table.var(v) for v in new)])
+    program = Program(
+        ClosedJaxpr(extended, minfo.closed_jaxpr.consts),
+        minfo.program.input_ids,
+        [*minfo.program.output_ids, *new],
+    )
+    return dataclasses.replace(minfo, program=program, hoisted=(*minfo.hoisted, *new))
+
+
 def rewrite(related: RelatedModule) -> RewrittenModule:
     """Hoist the executor's intermediates as extra outputs of the step (stage 4)."""
     minfo = related.module_info
@@ -60,7 +82,7 @@ def rewrite(related: RelatedModule) -> RewrittenModule:
     need = needed_values(related.hidden_groups, related.hidden_param_op_relations)
     hoist = [v for v in need if v >= n_inputs]
     return RewrittenModule(
-        module_info=minfo.add_jaxpr_outs(hoist),
+        module_info=hoist_outputs(minfo, hoist),
         hidden_groups=related.hidden_groups,
         hidden_param_op_relations=related.hidden_param_op_relations,
         diagnostics=related.diagnostics,

@@ -141,9 +141,7 @@ def _value_kinds(
     return kind, leaves
 
 
-def _slots(
-    minfo: ModuleInfo, kind: Mapping[Var, _Kind]
-) -> list[tuple[int | None, int, Var]]:
+def _slots(minfo: ModuleInfo, kind: Mapping[Var, _Kind]) -> list[tuple[int | None, int, Var]]:
     """Every ``(equation, slot, weight value)`` where a weight value meets data or an
     ETP op, then every step output that is a weight value."""
     jaxpr = minfo.jaxpr

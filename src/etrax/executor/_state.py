@@ -150,13 +150,8 @@ class _Signature:
 
 
 def signature(graph: ETraceGraph) -> _Signature:
-    """The graph's `_Signature`, computed once and kept on the graph object."""
-    sig = graph.__dict__.get("_etrax_signature")
-    if sig is None:
-        sig = _Signature(graph)
-        object.__setattr__(graph, "_etrax_signature", sig)
-    assert isinstance(sig, _Signature)
-    return sig
+    """The graph's `_Signature`, computed once per graph (kept in `graph.memo`)."""
+    return graph.memo.get("signature", lambda: _Signature(graph))
 
 
 def _leaves_match(leaves: Sequence[Any], avals: Sequence[tuple[Any, Any]]) -> bool:

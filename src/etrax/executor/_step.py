@@ -117,7 +117,7 @@ def as_args(graph: ETraceGraph, x: Any) -> tuple[Any, ...]:
     return x
 
 
-def _env(
+def step_env(
     graph: ETraceGraph,
     flat: Sequence[Any],
     hidden: Mapping[Path, Any],
@@ -133,7 +133,8 @@ def _env(
     return env
 
 
-def _jacobians(graph: ETraceGraph, env: Mapping[VarId, Any]) -> StepJacobians:
+def step_jacobians(graph: ETraceGraph, env: Mapping[VarId, Any]) -> StepJacobians:
+    """The `StepJacobians` of one step from its value environment (`step_env`)."""
     groups = graph.hidden_groups
     D = tuple(
         g.diagonal_jacobian(
@@ -156,7 +157,7 @@ def _jacobians(graph: ETraceGraph, env: Mapping[VarId, Any]) -> StepJacobians:
     return jax.lax.stop_gradient(jac)
 
 
-def _new_state(
+def next_state(
     graph: ETraceGraph, state: ModelState, hidden: Mapping[Path, Any], other: Mapping[Path, Any]
 ) -> ModelState:
     mi = graph.module_info
@@ -167,20 +168,23 @@ def _new_state(
     )
 
 
-def _forward_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> Any:
+def forward_pure(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> Any:
+    """`forward` without validation or `jit`: for use inside traced code."""
     mi = graph.module_info
     flat = [*jax.tree.leaves(args), *flat_state(graph, state)]
     out, hidden, other, _ = mi.split_outputs(mi.program(*flat))
-    return out, _new_state(graph, state, hidden, other)
+    return out, next_state(graph, state, hidden, other)
 
 
-def _step_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...], with_vjp: bool) -> Any:
+def step_pure(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...], with_vjp: bool) -> Any:
+    """`step` (or `step_vjp` with `with_vjp`) without validation or `jit`: for use
+    inside traced code (the sequence drivers' scans)."""
     mi = graph.module_info
     flat = [*jax.tree.leaves(args), *flat_state(graph, state)]
     if not with_vjp:
         out, hidden, other, hoisted = mi.split_outputs(mi.program(*flat))
-        env = _env(graph, flat, hidden, hoisted)
-        return out, _new_state(graph, state, hidden, other), _jacobians(graph, env)
+        env = step_env(graph, flat, hidden, hoisted)
+        return out, next_state(graph, state, hidden, other), step_jacobians(graph, env)
     hp = graph.hidden_perturb
     assert hp is not None
 
@@ -194,14 +198,14 @@ def _step_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...], wit
     (out, hidden_out), vjp_fn, (hidden, other, hoisted) = jax.vjp(
         perturbed, zeros, zeros, has_aux=True
     )
-    env = _env(graph, flat, hidden, hoisted)
-    new = _new_state(graph, state, hidden, other)
+    env = step_env(graph, flat, hidden, hoisted)
+    new = next_state(graph, state, hidden, other)
     pullback = Pullback(graph, vjp_fn, out, tuple(hidden_out))
-    return out, new, _jacobians(graph, env), pullback
+    return out, new, step_jacobians(graph, env), pullback
 
 
-_forward_jit = jax.jit(_forward_impl, static_argnums=0)
-_step_jit = jax.jit(_step_impl, static_argnums=(0, 3))
+_forward_jit = jax.jit(forward_pure, static_argnums=0)
+_step_jit = jax.jit(step_pure, static_argnums=(0, 3))
 
 
 def _validate(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[Any, ...]:
@@ -281,7 +285,7 @@ def _check_sequence(graph: ETraceGraph, xs: Any) -> tuple[int, tuple[Any, ...]]:
 
 def _multi_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> Any:
     def body(carry: ModelState, a: tuple[Any, ...]) -> Any:
-        out, new, jac = _step_impl(graph, carry, a, False)
+        out, new, jac = step_pure(graph, carry, a, False)
         return new, (out, jac)
 
     final, (outs, jacs) = jax.lax.scan(body, state, args)
