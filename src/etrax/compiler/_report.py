@@ -98,11 +98,12 @@ class CompilationReport:
             lines.append("")
         excluded = self.excluded_weights
         if excluded:
-            lines.append("Weights not traced through time (instantaneous gradient only):")
+            lines.append("Weights not (wholly) traced through time (exact instantaneous gradient):")
             for i, (path, reason) in enumerate(excluded):
                 why = f"  ({reason})" if reason else ""
                 lines.append(f"   Weight {i}: {path}{why}")
             lines.append("")
+        lines.extend(self._parameter_lines())
         if level >= 2:
             notable = [r for r in g.diagnostics if r.level is not DiagnosticLevel.INFO]
             if notable:
@@ -111,6 +112,25 @@ class CompilationReport:
                     lines.append(f"   [{r.level.value}] {r.kind.value}: {r.message}")
                 lines.append("")
         return "\n".join(lines) + "\n"
+
+    def _parameter_lines(self) -> list[str]:
+        """Every ParamState, its rule, and each of its uses with its own rule."""
+        rules = self.graph.weight_rules()
+        lines = [f"Parameters ({len(rules)}), use by use:"]
+        for path, status in rules.items():
+            lines.append(f"   {path}: {status.rule.value}")
+            for u in status.uses:
+                how = u.rule.value
+                if u.relation is not None:
+                    how += f" by relation {u.relation}"
+                if u.reason is not None:
+                    how += f" ({u.reason.value})"
+                what = "output" if u.eqn_index is None else f"{u.primitive} operand {u.slot}"
+                lines.append(f"      {what} at {u.location}: {how}")
+            if not status.uses and status.reason is not None:
+                lines.append(f"      ({status.reason.value})")
+        lines.append("")
+        return lines
 
     def show(self, level: int = 1, file: TextIO | None = None) -> None:
         print(self.to_str(level), file=file)
