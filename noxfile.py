@@ -10,9 +10,11 @@ PYTHON = "3.11"
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Run the test suite (jaxtyping + beartype at full strength, float64 oracles)."""
+    """Run the test suite (jaxtyping + beartype at full strength, float64 oracles) on
+    two worker processes; pass pytest arguments after ``--`` to run a subset instead
+    (e.g. ``nox -s tests -- -m "not slow"``)."""
     session.install("-e", ".[tests]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *(session.posargs or ["-n", "2"]))
 
 
 @nox.session(python=PYTHON)

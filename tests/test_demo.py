@@ -4,10 +4,12 @@ from pathlib import Path
 
 import brainstate
 import jax
+import pytest
 
 from etrax._demo import run_demo
 
 
+@pytest.mark.slow
 def test_demo_quick(tmp_path: Path) -> None:
     # The demo runs in float32 as a user would run it. optax's Adam (0.2.8) mixes
     # Python floats with int32 step counts, which strict dtype promotion rejects, so
