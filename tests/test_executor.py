@@ -59,7 +59,7 @@ def test_step_matches_oracles(case: ModelCase) -> None:
     # step_vjp gives the same forward values
     y2, new2, jac2, _ = etrax.step_vjp(graph, state, x)
     for a, b in zip(jax.tree.leaves((y, new, jac)), jax.tree.leaves((y2, new2, jac2)), strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)  # two XLA programs
     y3, new3 = etrax.forward(graph, state, x)
     for a, b in zip(jax.tree.leaves((y, new)), jax.tree.leaves((y3, new3)), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
