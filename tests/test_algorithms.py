@@ -55,7 +55,7 @@ def _online(
     return grads
 
 
-@pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("T", [1, 7])
 @pytest.mark.parametrize("case", EXACT, ids=lambda c: c.name)
 def test_drtrl_equals_bptt_on_diagonal_models(case: ModelCase, T: int) -> None:
     graph, state, xs, ts = _problem(case, T)
@@ -64,15 +64,6 @@ def test_drtrl_equals_bptt_on_diagonal_models(case: ModelCase, T: int) -> None:
         got = _online(algo, graph, state, xs, ts)
         assert rel_err(got, expected) <= TOL, (case.name, T, algo)
         assert list(got) == list(state.params)
-
-
-@pytest.mark.parametrize("case", [c for c in CATALOGUE if not c.exact_online], ids=lambda c: c.name)
-def test_every_model_is_exact_at_one_step(case: ModelCase) -> None:
-    """At T = 1 every parameter's gradient is exact, traced or not."""
-    graph, state, xs, ts = _problem(case, 1)
-    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
-    for algo in (etrax.DRTRL(), etrax.PPProp(0.7), etrax.EProp()):
-        assert rel_err(_online(algo, graph, state, xs, ts), expected) <= TOL
 
 
 def test_untraced_parameters_get_their_instantaneous_gradient() -> None:

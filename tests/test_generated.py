@@ -1,9 +1,11 @@
 """Generated-model property test of etrax's central invariant.
 
 For every generated model the compiler accepts, one step (T = 1) from a random
-hidden state, every online algorithm's gradient equals `jax.grad` of the one-step
+hidden state, the online algorithms' gradients equal `jax.grad` of the one-step
 loss through brainstate's *own* jaxpr of ``model.update`` (`oracles.BrainstateStep`,
 not etrax's `bptt_grad`), for every parameter leaf, readouts included, in float64.
+Every model is checked with per-step D-RTRL and one of chunked D-RTRL, pp-prop
+and e-prop in turn (see `algorithms_for`).
 
 Models the compiler refuses with a typed etrax error, and graphs that online
 learning refuses with `etrax.CompilationError` (no traced relation), are counted,
@@ -14,9 +16,10 @@ The tiny models run eagerly (`jax.disable_jit`): XLA-compiling each model's
 online step once per algorithm costs far more than running it op by op.
 """
 
+import enum
 import functools
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,7 @@ from jaxtyping import Array
 import etrax
 from etrax._typing import Path
 
-from .generated_models import GeneratedCase, generate
+from .generated_models import FAMILIES, GeneratedCase, generate
 from .oracles import BrainstateStep
 
 NUM_SEEDS = 200
@@ -37,12 +40,26 @@ CHUNK = 20
 TOL = 1e-10
 MIN_ACCEPTED = 0.9
 
-ALGORITHMS: tuple[tuple[str, Callable[[], etrax.OnlineAlgorithm]], ...] = (
-    ("DRTRL()", lambda: etrax.DRTRL()),
-    ("DRTRL(chunk_steps=1)", lambda: etrax.DRTRL(chunk_steps=1)),
+_Algorithm = tuple[str, Callable[[], etrax.OnlineAlgorithm]]
+BASE: _Algorithm = ("DRTRL(chunk_steps=1)", lambda: etrax.DRTRL(chunk_steps=1))
+ROTATING: tuple[_Algorithm, ...] = (
+    ("DRTRL()", lambda: etrax.DRTRL()),  # the chunked driver path (chunk_steps=32)
     ("PPProp(decay=0.9)", lambda: etrax.PPProp(decay=0.9)),
     ("EProp()", lambda: etrax.EProp()),
 )
+ALGORITHMS = (BASE, *ROTATING)
+
+
+def algorithms_for(seed: int) -> tuple[_Algorithm, ...]:
+    """The per-step D-RTRL on every seed, and one other algorithm in turn.
+
+    All four on every model took 330 s instead of about 200 s for this file on two
+    cores (each algorithm is a separate eager run of the online step). The defect
+    families this test was written for fail alike in every algorithm, so every model
+    gets the base rule and each other algorithm still sees a third of the models,
+    every structure family among them (seed % 3 and seed % 5 are independent).
+    """
+    return (BASE, ROTATING[seed % len(ROTATING)])
 
 
 def sq_loss(y: Any, target: Any) -> Array:
@@ -54,14 +71,19 @@ def sq_loss(y: Any, target: Any) -> Array:
     return functools.reduce(jnp.add, terms)
 
 
+class Status(enum.Enum):
+    ACCEPTED = "accepted"
+    REFUSED_COMPILE = "refused by compile_etrace_graph"
+    REFUSED_ONLINE = "refused by online learning (no traced relation)"
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """What happened to one seed: ``status`` is ``accepted``, ``refused-compile`` or
-    ``refused-online``; ``failures`` lists every violated check."""
+    """What happened to one seed; `failures` lists every violated check."""
 
     seed: int
     description: str
-    status: str
+    status: Status
     failures: tuple[str, ...]
     refusal: str = ""
 
@@ -77,19 +99,15 @@ def _with_time(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[None], tree)
 
 
-def _oracle(
-    case: GeneratedCase, state: etrax.ModelState, args: tuple[Array, ...], target: Any
-) -> tuple[dict[Path, Any], float]:
-    """``∂ loss / ∂ params`` of one step through brainstate's own jaxpr, and the loss."""
-    step = BrainstateStep(case.model, args)
+def _oracle(step: BrainstateStep, state: etrax.ModelState, target: Any) -> dict[Path, Any]:
+    """``∂ loss / ∂ params`` of one step through brainstate's own jaxpr of the model."""
 
     def loss(params: dict[Path, Any]) -> Array:
-        vals: dict[Path, Any] = {**state.other, **state.hidden, **params}
-        out, _ = step(vals)
+        out, _ = step({**state.other, **state.hidden, **params})
         return sq_loss(out, target)
 
-    value, grads = jax.value_and_grad(loss)(dict(state.params))
-    return grads, float(value)
+    grads: dict[Path, Any] = jax.grad(loss)(dict(state.params))
+    return grads
 
 
 def _deviations(
@@ -132,22 +150,23 @@ def _run(case: GeneratedCase) -> Outcome:
     try:
         graph = etrax.compile_etrace_graph(case.model, *case.args)
     except etrax.EtraxError as err:
-        return Outcome(seed, desc, "refused-compile", (), f"{type(err).__name__}: {err}")
+        return Outcome(seed, desc, Status.REFUSED_COMPILE, (), f"{type(err).__name__}: {err}")
     except Exception as err:
-        return Outcome(seed, desc, "accepted", (_crash("compile_etrace_graph", err),))
+        return Outcome(seed, desc, Status.ACCEPTED, (_crash("compile_etrace_graph", err),))
 
     rng = np.random.default_rng(10_000 + seed)
     state = etrax.state_of(graph)
     state = state.replace_hidden(_normal(rng, dict(state.hidden)))
     args = tuple(_normal(rng, a) for a in case.args)
     x = args if len(args) > 1 else args[0]
-    y, _ = BrainstateStep(case.model, args)({**state.other, **state.hidden, **state.params})
+    step = BrainstateStep(case.model, args)
+    y, _ = step({**state.other, **state.hidden, **state.params})
     target = _normal(rng, y)
-    expected, _ = _oracle(case, state, args, target)
+    expected = _oracle(step, state, target)
 
     failures: list[str] = []
     refusal = ""
-    for name, make in ALGORITHMS:
+    for name, make in algorithms_for(seed):
         algo = make()
         try:
             traces = algo.init(graph, state)
@@ -165,19 +184,36 @@ def _run(case: GeneratedCase) -> Outcome:
         for path, dev, scale in _deviations(grads, expected, state.params):
             failures.append(f"{name}: {path} off by {dev:.3g} (|grad| up to {scale:.3g})")
     if refusal and not failures:
-        return Outcome(seed, desc, "refused-online", (), refusal)
-    return Outcome(seed, desc, "accepted", tuple(failures))
+        return Outcome(seed, desc, Status.REFUSED_ONLINE, (), refusal)
+    return Outcome(seed, desc, Status.ACCEPTED, tuple(failures))
+
+
+@functools.cache
+def generated(seed: int) -> GeneratedCase:
+    """The model of `seed` (cached: the tests below share it)."""
+    with jax.disable_jit():
+        return generate(seed)
 
 
 @functools.cache
 def outcome(seed: int) -> Outcome:
-    """The checked outcome of `seed` (cached: the summary test reuses it)."""
+    """The checked outcome of `seed`."""
+    case = generated(seed)
     with jax.disable_jit():
-        case = generate(seed)
         try:
             return _run(case)
         except Exception as err:  # the oracle or the setup: still name the seed
-            return Outcome(seed, case.description, "accepted", (_crash("test setup", err),))
+            return Outcome(seed, case.description, Status.ACCEPTED, (_crash("test setup", err),))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_caches() -> Iterator[None]:
+    """Free the 200 models and the eagerly compiled ops after this file (the eager
+    runs compile thousands of single-op executables; a run peaks near 3 GB)."""
+    yield
+    generated.cache_clear()
+    outcome.cache_clear()
+    jax.clear_caches()  # type: ignore[no-untyped-call]  # unannotated in JAX
 
 
 def _report(outcomes: list[Outcome]) -> str:
@@ -189,32 +225,39 @@ def _report(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "start", range(0, NUM_SEEDS, CHUNK), ids=lambda s: f"seeds{s}-{s + CHUNK - 1}"
 )
 def test_online_gradients_equal_one_step_gradient(start: int) -> None:
+    """Every accepted model's T = 1 online gradients are exact, and at most 10 % of
+    the models are refused (checked per chunk, so the test splits across workers)."""
     outcomes = [outcome(s) for s in range(start, start + CHUNK)]
     failing = [o for o in outcomes if o.failures]
     assert not failing, (
         f"{len(failing)} of {CHUNK} generated models give a wrong T = 1 gradient "
         f"(tolerance {TOL:g} relative):\n{_report(failing)}"
     )
+    refused = [o for o in outcomes if o.status is not Status.ACCEPTED]
+    assert len(refused) <= (1 - MIN_ACCEPTED) * CHUNK, "\n".join(
+        f"seed {o.seed} {o.status.value}: {o.description}: {o.refusal}" for o in refused
+    )
 
 
 def test_generator_is_deterministic_and_varied() -> None:
-    """Two calls give the same model; the seeds give distinct models."""
+    """The same seed gives the same model; the seeds give distinct models, with every
+    special family and both batched and unbatched models well represented."""
     for seed in (0, 7, 123):
-        a, b = generate(seed), generate(seed)
+        a, b = generate(seed), generated(seed)
         assert a.description == b.description, seed
         va = jax.tree.leaves({p: s.value for p, s in a.model.states().items()})
         vb = jax.tree.leaves({p: s.value for p, s in b.model.states().items()})
         assert all(np.array_equal(u, v) for u, v in zip(va, vb, strict=True)), seed
-    descriptions = {outcome(s).description.split(" ", 1)[1] for s in range(NUM_SEEDS)}
-    assert len(descriptions) >= NUM_SEEDS * 0.95, len(descriptions)
-
-
-def test_most_generated_models_are_accepted() -> None:
-    outcomes = [outcome(s) for s in range(NUM_SEEDS)]
-    refused = [o for o in outcomes if o.status != "accepted"]
-    summary = "\n".join(f"seed {o.seed} {o.status}: {o.description}: {o.refusal}" for o in refused)
-    assert len(refused) <= (1 - MIN_ACCEPTED) * NUM_SEEDS, summary
+    cases = [generated(s) for s in range(NUM_SEEDS)]
+    structures = {c.description.split(" ", 1)[1] for c in cases}
+    assert len(structures) >= 0.95 * NUM_SEEDS, len(structures)
+    for family in FAMILIES:
+        count = sum(family in c.tags for c in cases)
+        assert count >= 0.1 * NUM_SEEDS, (family, count)
+    batched = sum(c.batched for c in cases)
+    assert 0.3 * NUM_SEEDS <= batched <= 0.7 * NUM_SEEDS, batched

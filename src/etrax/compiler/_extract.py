@@ -209,7 +209,7 @@ def _check_weight_dtypes(
             )
 
 
-def _check_model(model: brainstate.nn.Module, args: tuple[Any, ...]) -> dict[Path, Any]:
+def _check_model(model: object, args: tuple[Any, ...]) -> dict[Path, Any]:
     """The model's states, after the checks that need no tracing."""
     if not isinstance(model, brainstate.nn.Module):
         raise TypeError(
