@@ -55,17 +55,6 @@ def _online(
     return grads
 
 
-@pytest.mark.parametrize("T", [1, 7])
-@pytest.mark.parametrize("case", EXACT, ids=lambda c: c.name)
-def test_drtrl_equals_bptt_on_diagonal_models(case: ModelCase, T: int) -> None:
-    graph, state, xs, ts = _problem(case, T)
-    expected, _ = etrax.bptt_grad(graph, state, xs, ts, mse)
-    for algo in (etrax.DRTRL(chunk_steps=1), etrax.DRTRL(chunk_steps=3)):
-        got = _online(algo, graph, state, xs, ts)
-        assert rel_err(got, expected) <= TOL, (case.name, T, algo)
-        assert list(got) == list(state.params)
-
-
 def test_untraced_parameters_get_their_instantaneous_gradient() -> None:
     from .models import StackedGRU
 

@@ -202,20 +202,23 @@ def test_bad_arguments() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CATALOGUE, ids=lambda c: c.name)
 def test_check_on_the_catalogue(case: ModelCase) -> None:
-    """The check runs on every catalogue model, prints a row per parameter leaf,
-    finds every T = 1 gradient exact, and (for D-RTRL on the models whose recurrence
-    is diagonal) the whole sequence exact too."""
+    """The check runs on every catalogue model with chunked D-RTRL over 7 steps (two
+    chunks and a remainder), prints a row per parameter leaf and finds every T = 1
+    gradient exact; on the models whose recurrence is diagonal the whole sequence is
+    exact too (D-RTRL = BPTT)."""
     model, x = case.make()
     graph = etrax.compile_etrace_graph(model, x)
     state = etrax.state_of(graph)
-    xs = jax.random.normal(jax.random.PRNGKey(5), (2, *x.shape))
+    xs = jax.random.normal(jax.random.PRNGKey(5), (7, *x.shape))
     y0, _ = etrax.forward(graph, state, x)
-    ts = jax.random.normal(jax.random.PRNGKey(6), (2, *y0.shape))
-    check = etrax.check_gradients(graph, etrax.DRTRL(chunk_steps=1), state, xs, ts, mse)
+    ts = jax.random.normal(jax.random.PRNGKey(6), (7, *y0.shape))
+    check = etrax.check_gradients(graph, etrax.DRTRL(chunk_steps=3), state, xs, ts, mse)
     assert check.ok, str(check)
     assert len(check.rows) == _leaf_count(state)
     text = check.table()
     for p in state.params:
         assert str(p) in text or ".".join(map(str, p)) in text, p
     if case.exact_online:
-        assert check.worst is not None and check.worst.deviation < 1e-9, str(check)
+        assert check.worst is not None and check.worst.deviation < 1e-10, str(check)
+    else:  # a recurrent weight between hidden values: approximate over time
+        assert check.worst is not None and check.worst.deviation > 1e-8, str(check)

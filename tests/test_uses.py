@@ -249,7 +249,7 @@ def test_every_parameter_is_exact_at_one_step(
     problems: dict[tuple[str, int], Any], model_name: str, algo_name: str
 ) -> None:
     graph, state, xs, ts, ref = problems[(model_name, 1)]
-    for window in (None, 1):
+    for window in (None, 1) if algo_name == "drtrl" else (None,):
         got = _online(graph, ALGOS[algo_name](), state, xs, ts, window=window)
         assert set(got) == set(ref)
         for p in ref:
