@@ -522,11 +522,18 @@ def _blocking(ctx: _Context, op: _Op, connected: set[Path]) -> list[int]:
     return [i for i in blocking if ctx.reached_hidden(i)]
 
 
+def _blocking_facts(ctx: _Context, blocking: list[int]) -> tuple[tuple[str, ...], tuple[Path, ...]]:
+    """The primitives of the blocking equations and the weights they use."""
+    eqns = [ctx.table.jaxpr.eqns[i] for i in blocking]
+    prims = tuple(str(e.primitive.name) for e in eqns)
+    paths = tuple(p for p in (_first_path(ctx, e) for e in eqns) if p is not None)
+    return prims, paths
+
+
 def _excluded_record(ctx: _Context, op: _Op, blocking: list[int]) -> CompilationRecord:
     """The record of an ETP op that forms no relation."""
     jaxpr = ctx.table.jaxpr
-    prims = tuple(str(jaxpr.eqns[i].primitive.name) for i in blocking)
-    paths = tuple(p for p in (_first_path(ctx, jaxpr.eqns[i]) for i in blocking) if p is not None)
+    prims, paths = _blocking_facts(ctx, blocking)
     common: dict[str, Any] = {
         "primitive": op.name,
         "weight_path": op.weight_path,
@@ -585,9 +592,7 @@ def _relation(
             reasons.append(records[-1].kind)
         return None, records, EtpStatus(None, True, reasons[0], slots)
     if blocking:
-        jaxpr = ctx.table.jaxpr
-        prims = tuple(str(jaxpr.eqns[i].primitive.name) for i in blocking)
-        paths = tuple(p for p in (_first_path(ctx, jaxpr.eqns[i]) for i in blocking) if p)
+        prims, paths = _blocking_facts(ctx, blocking)
         records.append(
             record(
                 DiagnosticKind.RELATION_PARTIAL_PATH,
