@@ -14,7 +14,7 @@ def tests(session: nox.Session) -> None:
     two worker processes; pass pytest arguments after ``--`` to run a subset instead
     (e.g. ``nox -s tests -- -m "not slow"``)."""
     session.install("-e", ".[tests]")
-    session.run("pytest", *(session.posargs or ["-n", "2", "--dist", "loadfile"]))
+    session.run("pytest", *(session.posargs or ["-n", "2", "--dist", "loadscope"]))
 
 
 @nox.session(python=PYTHON)
