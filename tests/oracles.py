@@ -20,6 +20,7 @@ from etrax._typing import Path, VarId
 __all__ = [
     "BrainstateStep",
     "block_diagonal",
+    "bptt_grads",
     "graph_env",
     "random_state_values",
     "tail_diagonal",
@@ -120,8 +121,9 @@ class BrainstateStep:
         *,
         freeze_weights: bool = False,
         inject: tuple[int, Array] | None = None,
+        args: Sequence[Any] | None = None,
     ) -> tuple[Any, dict[Path, Any]]:
-        flat = list(jax.tree.leaves(self.args))
+        flat = list(jax.tree.leaves(self.args if args is None else tuple(args)))
         for p in self.paths:
             flat.extend(jax.tree.leaves(state_vals[p]))
         outs = _eval(self.closed.jaxpr, self.closed.consts, flat, freeze_weights, inject)
@@ -130,13 +132,34 @@ class BrainstateStep:
         pos = self.num_out
         for p, st in zip(self.paths, self.states, strict=True):
             n = len(jax.tree.leaves(st.value))
-            new[p] = (
-                outs[pos]
-                if n == 1
-                else jax.tree.unflatten(jax.tree.structure(st.value), outs[pos : pos + n])
-            )
+            new[p] = jax.tree.unflatten(jax.tree.structure(st.value), outs[pos : pos + n])
             pos += n
         return out, new
+
+
+def bptt_grads(
+    model: brainstate.nn.Module,
+    state: etrax.ModelState,
+    xs: Array,
+    targets: Any,
+    loss_fn: Any,
+) -> dict[Path, Any]:
+    """``∂ Σ_t loss_t / ∂ params`` by `jax.grad` over a `lax.scan` of brainstate's own
+    jaxpr of ``model.update`` (one input per step), from `state`."""
+    step = BrainstateStep(model, (xs[0],))
+    carried = {**dict(state.hidden), **dict(state.other)}
+
+    def total(params: dict[Path, Any]) -> Array:
+        def body(vals: dict[Path, Any], xt: tuple[Array, Any]) -> tuple[dict[Path, Any], Array]:
+            x, target = xt
+            out, new = step({**vals, **params}, args=(x,))
+            return {p: new[p] for p in vals}, loss_fn(out, target)
+
+        _, losses = jax.lax.scan(body, carried, (xs, targets))
+        return jnp.sum(losses)
+
+    grads: dict[Path, Any] = jax.grad(total)(dict(state.params))
+    return grads
 
 
 def block_diagonal(

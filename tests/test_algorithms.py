@@ -132,9 +132,7 @@ def test_chunked_equals_per_step(name: str) -> None:
     traces = etrax.DRTRL().init(graph, state)
     a, aux_a = etrax.online_grad(graph, etrax.DRTRL(chunk_steps=1), state, traces, xs, ts, mse)
     for K in (2, 5, 16):  # a remainder block, several blocks, one block longer than T
-        b, aux_b = etrax.online_grad(
-            graph, etrax.DRTRL(chunk_steps=K), state, traces, xs, ts, mse
-        )
+        b, aux_b = etrax.online_grad(graph, etrax.DRTRL(chunk_steps=K), state, traces, xs, ts, mse)
         assert rel_err(b, a) <= 1e-12, K
         assert rel_err(aux_b["traces"], aux_a["traces"]) <= 1e-12, K
         np.testing.assert_allclose(aux_b["losses"], aux_a["losses"], rtol=1e-12)
@@ -277,7 +275,10 @@ def test_graph_without_relations_is_refused() -> None:
 
     model = Plain()
     brainstate.nn.init_all_states(model)
-    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    # recognised by default; with recognition off the plain matmul is not traced
+    assert etrax.compile_etrace_graph(model, jnp.ones(3)).hidden_param_op_relations
+    off = etrax.CompilePolicy(recognise_weight_ops=False)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3), policy=off)
     state = etrax.state_of(graph)
     with pytest.raises(etrax.CompilationError, match="no relations"):
         etrax.DRTRL().init(graph, state)

@@ -144,7 +144,12 @@ class PlainUse(brainstate.nn.Module):
 
 
 def test_plain_weight_use_and_unused_weight_are_reported() -> None:
-    graph = _compile(PlainUse(), jnp.ones(3))
+    model = PlainUse()
+    recognised = _compile(model, jnp.ones(3)).weight_rules()
+    assert recognised[("win",)].rule is etrax.WeightRule.TRACED
+    graph = etrax.compile_etrace_graph(
+        model, jnp.ones(3), policy=etrax.CompilePolicy(recognise_weight_ops=False)
+    )
     plain = graph.explain(kind=K.WEIGHT_PLAIN_USE)
     assert [r.weight_path for r in plain] == [("win",)]
     assert plain[0].primitive == "dot_general"
@@ -226,9 +231,12 @@ class InCond(brainstate.nn.Module):
         return h
 
 
-def test_etp_op_inside_control_flow_is_refused() -> None:
+def test_etp_op_inside_control_flow_is_refused_without_if_conversion() -> None:
+    model = InCond()
+    brainstate.nn.init_all_states(model)
+    off = etrax.CompilePolicy(if_convert=False)
     with pytest.raises(etrax.NotSupportedError, match=r"jnp\.where") as info:
-        _compile(InCond(), jnp.ones(3))
+        etrax.compile_etrace_graph(model, jnp.ones(3), policy=off)
     assert info.value.records[-1].kind is K.PRIMITIVE_INSIDE_CONTROL_FLOW
 
 

@@ -27,6 +27,7 @@ from ._errors import (
     NotSupportedError,
     ParamStateWriteError,
     RecursiveCompileError,
+    RewriteLimitError,
     StateNotInitializedError,
     StateShapeChangedError,
     StepInputError,
@@ -51,6 +52,7 @@ from .algorithms import (
 from .compiler import (
     CompilationRecord,
     CompilationReport,
+    CompilePolicy,
     DiagnosticKind,
     DiagnosticLevel,
     ETraceGraph,
@@ -74,6 +76,7 @@ from .compiler import (
     find_hidden_param_op_relations_from_module,
     group,
     perturb,
+    register_position_rule,
     relate,
     rewrite,
 )
@@ -112,6 +115,21 @@ from .ops import (
 __version__ = "0.1.0"
 
 _here = _os.path.dirname(__file__)
+
+
+def _unit_library_dirs() -> list[str]:
+    """brainunit (and saiunit, which newer brainunit re-exports) wrap jax.numpy; their
+    frames hide the user's line in diagnostics. Either may be absent."""
+    import importlib.util
+
+    dirs = []
+    for name in ("brainunit", "saiunit"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin is not None:
+            dirs.append(_os.path.dirname(spec.origin) + _os.sep)
+    return dirs
+
+
 _exclude_from_locations(
     _os.path.join(_here, "ops") + _os.sep,
     _os.path.join(_here, "compiler") + _os.sep,
@@ -126,6 +144,7 @@ _exclude_from_locations(
             _equinox.__file__,
         )
     ),
+    *_unit_library_dirs(),
 )
 
 __all__ = [
@@ -134,6 +153,7 @@ __all__ = [
     "CompilationError",
     "CompilationRecord",
     "CompilationReport",
+    "CompilePolicy",
     "DiagnosticKind",
     "DiagnosticLevel",
     "EProp",
@@ -162,6 +182,7 @@ __all__ = [
     "PathDict",
     "Pullback",
     "RecursiveCompileError",
+    "RewriteLimitError",
     "SparsePattern",
     "StateNotInitializedError",
     "StateShapeChangedError",
@@ -202,6 +223,7 @@ __all__ = [
     "online_grad",
     "ops",
     "perturb",
+    "register_position_rule",
     "register_primitive",
     "register_rules",
     "relate",

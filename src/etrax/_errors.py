@@ -17,6 +17,7 @@ __all__ = [
     "NotSupportedError",
     "ParamStateWriteError",
     "RecursiveCompileError",
+    "RewriteLimitError",
     "StateNotInitializedError",
     "StateShapeChangedError",
     "StepInputError",
@@ -45,6 +46,10 @@ class CompilationError(EtraxError):
 
 class NotSupportedError(CompilationError):
     """The step uses a construct the compiler does not support."""
+
+
+class RewriteLimitError(CompilationError):
+    """Rewriting the step (unrolling loops) would exceed `CompilePolicy.max_equations`."""
 
 
 class StateNotInitializedError(CompilationError):

@@ -13,12 +13,14 @@ from ._group import (
 )
 from ._jaxpr import Program
 from ._module_info import ModuleInfo, StateInfo, StateKind
+from ._normalise import CompilePolicy
 from ._perturb import (
     add_hidden_perturbation_from_minfo,
     add_hidden_perturbation_in_module,
     perturb,
 )
 from ._perturbation import HiddenPerturbation
+from ._positions import PositionRule, register_position_rule
 from ._relate import (
     HiddenParamOpRelation,
     RelatedModule,
@@ -35,6 +37,7 @@ from ._uses import ParamUse, UseRule
 __all__ = [
     "CompilationRecord",
     "CompilationReport",
+    "CompilePolicy",
     "DiagnosticKind",
     "DiagnosticLevel",
     "ETraceGraph",
@@ -44,6 +47,7 @@ __all__ = [
     "HiddenPerturbation",
     "ModuleInfo",
     "ParamUse",
+    "PositionRule",
     "Program",
     "RelatedModule",
     "RelationTail",
@@ -66,6 +70,7 @@ __all__ = [
     "find_hidden_param_op_relations_from_module",
     "group",
     "perturb",
+    "register_position_rule",
     "relate",
     "rewrite",
 ]

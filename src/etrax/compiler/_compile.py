@@ -9,6 +9,7 @@ import brainstate
 from ._extract import extract
 from ._graph import ETraceGraph
 from ._group import group
+from ._normalise import CompilePolicy
 from ._perturb import perturb
 from ._relate import relate
 from ._rewrite import rewrite
@@ -66,7 +67,10 @@ def compose(*stages: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_etrace_graph(
-    model: brainstate.nn.Module, *args: Any, include_hidden_perturb: bool = True
+    model: brainstate.nn.Module,
+    *args: Any,
+    include_hidden_perturb: bool = True,
+    policy: CompilePolicy | None = None,
 ) -> ETraceGraph:
     """Compile a model's one-step ``update`` into an `ETraceGraph`.
 
@@ -80,6 +84,10 @@ def compile_etrace_graph(
     - `*args`: example positional inputs of one step.
     - `include_hidden_perturb`: also build the perturbed step that yields
       ``∂L/∂h^t`` (needed by single-step online learning).
+    - `policy`: a `CompilePolicy`: whether plain ``dot_general`` / convolutions on
+      ParamState values are recognised as traced weight ops (fused gates split),
+      whether ``lax.cond`` is if-converted, and up to how many steps ``lax.scan`` /
+      ``fori_loop`` is unrolled. Defaults to ``CompilePolicy()``.
 
     **Returns:** the `ETraceGraph`.
 
@@ -95,4 +103,4 @@ def compile_etrace_graph(
     pipeline = compose(
         extract, group, relate, rewrite, functools.partial(perturb, enabled=include_hidden_perturb)
     )
-    return pipeline(model, *args)
+    return pipeline(model, *args, policy=policy)

@@ -54,6 +54,8 @@ class DiagnosticKind(enum.StrEnum):
     WEIGHT_NOT_FLOAT = "weight_not_float"
     PRIMITIVE_INSIDE_CONTROL_FLOW = "primitive_inside_control_flow"
     WEIGHT_OPERAND_NOT_STATIC = "weight_operand_not_static"
+    WEIGHT_OP_RECOGNISED = "weight_op_recognised"
+    LOOP_KEPT_WHOLE = "loop_kept_whole"
 
 
 # Kinds that explain why a weight is not traced by any relation.

@@ -29,6 +29,7 @@ from .._typing import Path, PyTree, Shape
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
 from ._jaxpr import Program, VarTable, inline_calls
 from ._module_info import ModuleInfo, StateInfo, StateKind, StateRefs
+from ._normalise import CompilePolicy, normalise
 
 __all__ = ["extract", "extract_module_info"]
 
@@ -111,9 +112,12 @@ def _check_no_nested_etp(closed: ClosedJaxpr, records: list[CompilationRecord]) 
                 )
                 raise NotSupportedError(
                     f"An ETP operation (a traced weight) is used inside '{eqn.primitive.name}' at "
-                    f"{where}. Weight operations must sit at the top level of update(): replace "
-                    "lax.cond/switch with jnp.where or lax.select, unroll short loops in Python, "
-                    "and keep custom_jvp/custom_vjp functions free of weight operations.",
+                    f"{where}, which stays whole: weight operations must reach the top level of "
+                    "update(). lax.cond/switch are if-converted and lax.scan/fori_loop of at most "
+                    "CompilePolicy.unroll_limit steps are unrolled unless the policy turns that "
+                    "off: allow it (CompilePolicy(if_convert=True, unroll_limit=...)), or replace "
+                    "the branch with jnp.where / lax.select, and keep custom_jvp/custom_vjp "
+                    "functions free of weight operations.",
                     [*records, rec],
                 )
 
@@ -423,13 +427,30 @@ def _state_infos(
     return tuple(infos)
 
 
-def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
+def _weight_inputs(compiled_states: States, paths: Sequence[Path], num_in: int) -> dict[int, Path]:
+    """Jaxpr input position → ParamState path, for every leaf of every weight."""
+    out: dict[int, Path] = {}
+    pos = num_in
+    for st, p in zip(compiled_states, paths, strict=True):
+        n = len(jax.tree.leaves(st.value))
+        if isinstance(st, brainstate.ParamState):
+            out.update((pos + k, p) for k in range(n))
+        pos += n
+    return out
+
+
+def extract(
+    model: brainstate.nn.Module, *args: Any, policy: CompilePolicy | None = None
+) -> ModuleInfo:
     """Trace ``model.update(*args)`` once and describe the step (stage 1).
 
     **Arguments:**
 
     - `model`: a `brainstate.nn.Module` whose states are initialised.
     - `*args`: example positional inputs of one step (only shapes and dtypes matter).
+    - `policy`: how the step is rewritten before tracing (`CompilePolicy`: weight ops
+      recognised, fused gates split, control flow flattened); the default policy when
+      `None`.
 
     **Returns:** a `ModuleInfo`.
 
@@ -453,6 +474,10 @@ def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
     _check_state_avals(name, closed, compiled_states, paths, num_in, num_out, records)
     _check_weight_dtypes(name, compiled_states, paths, records)
     closed = inline_calls(closed)
+    policy = CompilePolicy() if policy is None else policy
+    closed, rewrites = normalise(closed, _weight_inputs(compiled_states, paths, num_in), policy)
+    closed = inline_calls(closed)
+    records.extend(rewrites)
     _check_no_nested_etp(closed, records)
     infos = _state_infos(closed, compiled_states, written, paths, num_in, num_out, records)
     table = VarTable(closed.jaxpr)
@@ -475,6 +500,8 @@ def extract(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
     )
 
 
-def extract_module_info(model: brainstate.nn.Module, *args: Any) -> ModuleInfo:
+def extract_module_info(
+    model: brainstate.nn.Module, *args: Any, policy: CompilePolicy | None = None
+) -> ModuleInfo:
     """Trace a model's one-step ``update`` and return its `ModuleInfo` (alias of `extract`)."""
-    return extract(model, *args)
+    return extract(model, *args, policy=policy)

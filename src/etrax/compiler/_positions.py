@@ -14,7 +14,7 @@ with the identity. Unknown primitives are conservatively `Mixed`.
 """
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 from .._compat import (
     ClosedJaxpr,
@@ -27,7 +27,18 @@ from .._compat import (
 )
 from .._typing import Shape
 
-__all__ = ["Align", "AlignMap", "Mixed", "analyse", "identity_align", "positions_rule"]
+__all__ = [
+    "Align",
+    "AlignMap",
+    "Mixed",
+    "PositionRule",
+    "analyse",
+    "elementwise_rule",
+    "identity_align",
+    "mixing_rule",
+    "positions_rule",
+    "register_position_rule",
+]
 
 Align: TypeAlias = tuple[int, ...]
 
@@ -323,212 +334,301 @@ def _full_extent(
 
 
 Recurse: TypeAlias = Callable[[ClosedJaxpr, Sequence[AlignMap]], list[AlignMap]]
+PositionRule: TypeAlias = Callable[[JaxprEqn, Sequence[AlignMap], Recurse], list[AlignMap]]
+"""``(equation, input alignment maps, recurse) -> one alignment map per output``.
+
+An alignment map sends each source (an index) to the output axes that carry the
+source's position axes (an `Align` tuple), or to `Mixed` when an output value
+depends on several positions of it. `recurse(closed_jaxpr, maps)` analyses a
+sub-jaxpr (a loop or branch body)."""
+
+_RULES: dict[Any, PositionRule] = {}
 
 
-def _shape_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap] | None:
-    """Element-wise, broadcasting, reshaping, transposing and reducing primitives."""
-    name = str(eqn.primitive.name)
-    n_out = len(eqn.outvars)
-    params = eqn.params
-    first: AlignMap = in_maps[0] if in_maps else {}
+def _register(*names: str) -> Callable[[PositionRule], PositionRule]:
+    def deco(rule: PositionRule) -> PositionRule:
+        for n in names:
+            _RULES[n] = rule
+        return rule
 
-    if name in ELEMENTWISE:
-        return [_elementwise(in_maps, name)] * n_out
-    if name == "broadcast_in_dim":
-        bd = params["broadcast_dimensions"]
-        return [_remap(first, lambda a: tuple(bd[x] for x in a))]
-    if name == "reshape":
-        mapping = _reshape_map(_aval_shape(eqn.invars[0]), _aval_shape(eqn.outvars[0]))
-
-        def reshape_fn(a: Align) -> Align | str:
-            if all(x in mapping for x in a):
-                return tuple(mapping[x] for x in a)
-            return "reshape merges or splits a position axis"
-
-        return [_remap(first, reshape_fn)]
-    if name == "squeeze":
-        dims = set(params["dimensions"])
-        return [_remap(first, lambda a: tuple(x - sum(d < x for d in dims) for x in a))]
-    if name == "expand_dims":
-        new_axes = sorted(params["dimensions"])
-
-        def expand_fn(a: Align) -> Align:
-            out = []
-            for x in a:
-                y = x
-                for d in new_axes:
-                    if d <= y:
-                        y += 1
-                out.append(y)
-            return tuple(out)
-
-        return [_remap(first, expand_fn)]
-    if name == "transpose":
-        perm = list(params["permutation"])
-        return [_remap(first, lambda a: tuple(perm.index(x) for x in a))]
-    if name in _REDUCTIONS:
-        axes = set(params["axes"])
-
-        def reduce_fn(a: Align) -> Align | str:
-            if any(x in axes for x in a):
-                return f"{name} reduces over a position axis"
-            return tuple(x - sum(d < x for d in axes) for x in a)
-
-        return [_remap(first, reduce_fn)] * n_out
-    return None
+    return deco
 
 
-def _axis_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap] | None:
-    """Primitives that run along one axis (scans, sorts, reversals)."""
-    name = str(eqn.primitive.name)
-    n_out = len(eqn.outvars)
-    params = eqn.params
-    first: AlignMap = in_maps[0] if in_maps else {}
-
-    if name in _CUMULATIVE:
-        axis = params["axis"]
-        return [
-            _remap(
-                first, _full_extent(eqn, lambda x: x != axis, f"{name} runs along a position axis")
-            )
-        ]
-    if name == "sort":
-        dim = params["dimension"]
-        merged = _elementwise(in_maps, name)
-        return [
-            _remap(merged, _full_extent(eqn, lambda x: x != dim, "sort runs along a position axis"))
-        ] * n_out
-    if name == "top_k":
-        nd = len(_aval_shape(eqn.invars[0]))
-        return [
-            _remap(
-                first, _full_extent(eqn, lambda x: x != nd - 1, "top_k runs along a position axis")
-            )
-        ] * n_out
-    if name == "rev":
-        dims = set(params["dimensions"])
-        return [
-            _remap(
-                first, _full_extent(eqn, lambda x: x not in dims, "rev reverses a position axis")
-            )
-        ]
-    return None
+def _first(in_maps: Sequence[AlignMap]) -> AlignMap:
+    return in_maps[0] if in_maps else {}
 
 
-def _window_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap] | None:
-    """Primitives that cut, pad, join or stack along axes."""
-    name = str(eqn.primitive.name)
-    n_out = len(eqn.outvars)
-    params = eqn.params
-    first: AlignMap = in_maps[0] if in_maps else {}
-
-    if name == "slice":
-        shape = _aval_shape(eqn.invars[0])
-        starts, limits = params["start_indices"], params["limit_indices"]
-        strides = params["strides"] or (1,) * len(shape)
-
-        def slice_ok(x: int) -> bool:
-            return starts[x] == 0 and limits[x] == shape[x] and strides[x] == 1
-
-        return [_remap(first, _full_extent(eqn, slice_ok, "slice cuts a position axis"))]
-    if name == "dynamic_slice":
-        shape = _aval_shape(eqn.invars[0])
-        sizes = params["slice_sizes"]
-        out = _remap(
-            first,
-            _full_extent(eqn, lambda x: sizes[x] == shape[x], "dynamic_slice cuts a position axis"),
-        )
-        for m in in_maps[1:]:
-            for s in m:
-                out[s] = Mixed("dynamic_slice index depends on a source")
-        return [out]
-    if name == "dynamic_update_slice":
-        shape = _aval_shape(eqn.invars[0])
-        ushape = _aval_shape(eqn.invars[1])
-        ok = _full_extent(
-            eqn,
-            lambda x: ushape[x] == shape[x],
-            "dynamic_update_slice writes part of a position axis",
-        )
-        out = _elementwise([_remap(in_maps[0], ok), _remap(in_maps[1], ok)], name)
-        for m in in_maps[2:]:
-            for s in m:
-                out[s] = Mixed("dynamic_update_slice index depends on a source")
-        return [out]
-    if name == "pad":
-        cfg = params["padding_config"]
-        ok = _full_extent(eqn, lambda x: tuple(cfg[x]) == (0, 0, 0), "pad pads a position axis")
-        merged = _elementwise(in_maps, name)
-        return [_remap(merged, ok)]
-    if name == "concatenate":
-        dim = params["dimension"]
-        merged = _elementwise(in_maps, name)
-        return [
-            _remap(
-                merged,
-                _full_extent(eqn, lambda x: x != dim, "concatenate joins along a position axis"),
-            )
-        ]
-    if name == "split":
-        axis = params["axis"]
-        return [
-            _remap(first, _full_extent(eqn, lambda x: x != axis, "split cuts a position axis"))
-        ] * n_out
-    if name == "stack":
-        axis = params["axis"]
-        merged = _elementwise(in_maps, name)
-        return [_remap(merged, lambda a: tuple(x + (x >= axis) for x in a))]
-    if name == "iota":
-        return [{}]
-    return None
+def _n_out(eqn: JaxprEqn) -> int:
+    return len(eqn.outvars)
 
 
-def _structured_rule(
+def elementwise_rule(
     eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse
 ) -> list[AlignMap]:
-    """Contractions, gathers, scatters, calls, ``cond`` and (conservatively) the rest."""
-    name = str(eqn.primitive.name)
-    n_out = len(eqn.outvars)
-    params = eqn.params
+    """Every output position reads the same position of every operand."""
+    return [_elementwise(in_maps, str(eqn.primitive.name))] * _n_out(eqn)
 
-    if name == "dot_general":
-        return [_dot_general(eqn, in_maps)]
-    if name == "gather":
-        return [_gather(eqn, in_maps)]
-    if name in (
-        "scatter",
-        "scatter-add",
-        "scatter_add",
-        "scatter-mul",
-        "scatter_mul",
-        "scatter-min",
-        "scatter_min",
-        "scatter-max",
-        "scatter_max",
-    ):
-        return [_scatter(eqn, in_maps)]
-    body_of_call = call_body(eqn)
-    if body_of_call is not None and len(body_of_call.jaxpr.invars) == len(in_maps):
-        return recurse(body_of_call, in_maps)
-    if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
-        body = params.get("call_jaxpr") or params.get("fun_jaxpr")
-        if isinstance(body, ClosedJaxpr) and len(body.jaxpr.invars) == len(in_maps):
-            return recurse(body, in_maps)
-    if name == "cond":
-        branches = params["branches"]
-        index_map = in_maps[0]
-        results = [recurse(b, in_maps[1:]) for b in branches]
-        outs: list[AlignMap] = []
-        for k in range(n_out):
-            merged = _elementwise([r[k] for r in results], "cond")
-            for s in index_map:
-                merged[s] = Mixed("cond predicate depends on a source")
-            outs.append(merged)
-        return outs
-    # Unknown or opaque (scan, while, conv, reduce_window, ...): conservative.
+
+def mixing_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    """Every output may read every position of every operand (the safe default)."""
     sources = {s for m in in_maps for s in m}
-    reason = f"primitive '{name}' is not known to keep positions apart"
-    return [{s: Mixed(reason) for s in sorted(sources)} for _ in range(n_out)]
+    reason = f"primitive '{eqn.primitive.name}' is declared to mix positions"
+    return [{s: Mixed(reason) for s in sorted(sources)} for _ in range(_n_out(eqn))]
+
+
+for _name in ELEMENTWISE:
+    _RULES[_name] = elementwise_rule
+
+
+@_register("broadcast_in_dim")
+def _broadcast_in_dim(
+    eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse
+) -> list[AlignMap]:
+    bd = eqn.params["broadcast_dimensions"]
+    return [_remap(_first(in_maps), lambda a: tuple(bd[x] for x in a))]
+
+
+@_register("reshape")
+def _reshape(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    mapping = _reshape_map(_aval_shape(eqn.invars[0]), _aval_shape(eqn.outvars[0]))
+
+    def fn(a: Align) -> Align | str:
+        if all(x in mapping for x in a):
+            return tuple(mapping[x] for x in a)
+        return "reshape merges or splits a position axis"
+
+    return [_remap(_first(in_maps), fn)]
+
+
+@_register("squeeze")
+def _squeeze(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    dims = set(eqn.params["dimensions"])
+    return [_remap(_first(in_maps), lambda a: tuple(x - sum(d < x for d in dims) for x in a))]
+
+
+@_register("expand_dims")
+def _expand_dims(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    new_axes = sorted(eqn.params["dimensions"])
+
+    def fn(a: Align) -> Align:
+        out = []
+        for x in a:
+            y = x
+            for d in new_axes:
+                if d <= y:
+                    y += 1
+            out.append(y)
+        return tuple(out)
+
+    return [_remap(_first(in_maps), fn)]
+
+
+@_register("transpose")
+def _transpose(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    perm = list(eqn.params["permutation"])
+    return [_remap(_first(in_maps), lambda a: tuple(perm.index(x) for x in a))]
+
+
+@_register(*_REDUCTIONS)
+def _reduce(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    name, axes = eqn.primitive.name, set(eqn.params["axes"])
+
+    def fn(a: Align) -> Align | str:
+        if any(x in axes for x in a):
+            return f"{name} reduces over a position axis"
+        return tuple(x - sum(d < x for d in axes) for x in a)
+
+    return [_remap(_first(in_maps), fn)] * _n_out(eqn)
+
+
+def _along(axis_of: Callable[[JaxprEqn], set[int]], verb: str, merge: bool = False) -> PositionRule:
+    """A primitive that runs along some axes: positions on other axes stay apart."""
+
+    def rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+        axes = axis_of(eqn)
+        src = _elementwise(in_maps, str(eqn.primitive.name)) if merge else _first(in_maps)
+        what = f"{eqn.primitive.name} {verb} a position axis"
+        return [_remap(src, _full_extent(eqn, lambda x: x not in axes, what))] * _n_out(eqn)
+
+    return rule
+
+
+for _name in _CUMULATIVE:
+    _RULES[_name] = _along(lambda e: {e.params["axis"]}, "runs along")
+_RULES["sort"] = _along(lambda e: {e.params["dimension"]}, "runs along", merge=True)
+_RULES["top_k"] = _along(lambda e: {len(_aval_shape(e.invars[0])) - 1}, "runs along")
+_RULES["rev"] = _along(lambda e: set(e.params["dimensions"]), "reverses")
+_RULES["concatenate"] = _along(lambda e: {e.params["dimension"]}, "joins along", merge=True)
+_RULES["split"] = _along(lambda e: {e.params["axis"]}, "cuts")
+
+
+@_register("slice")
+def _slice(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    shape = _aval_shape(eqn.invars[0])
+    starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+
+    def ok(x: int) -> bool:
+        return starts[x] == 0 and limits[x] == shape[x] and strides[x] == 1
+
+    return [_remap(_first(in_maps), _full_extent(eqn, ok, "slice cuts a position axis"))]
+
+
+def _mixed_by_index(out: AlignMap, in_maps: Sequence[AlignMap], what: str) -> AlignMap:
+    for m in in_maps:
+        for s in m:
+            out[s] = Mixed(what)
+    return out
+
+
+@_register("dynamic_slice")
+def _dynamic_slice(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    shape, sizes = _aval_shape(eqn.invars[0]), eqn.params["slice_sizes"]
+    ok = _full_extent(eqn, lambda x: sizes[x] == shape[x], "dynamic_slice cuts a position axis")
+    out = _remap(_first(in_maps), ok)
+    return [_mixed_by_index(out, in_maps[1:], "dynamic_slice index depends on a source")]
+
+
+@_register("dynamic_update_slice")
+def _dynamic_update_slice(
+    eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse
+) -> list[AlignMap]:
+    shape, ushape = _aval_shape(eqn.invars[0]), _aval_shape(eqn.invars[1])
+    what = "dynamic_update_slice writes part of a position axis"
+    ok = _full_extent(eqn, lambda x: ushape[x] == shape[x], what)
+    out = _elementwise([_remap(in_maps[0], ok), _remap(in_maps[1], ok)], "dynamic_update_slice")
+    return [_mixed_by_index(out, in_maps[2:], "dynamic_update_slice index depends on a source")]
+
+
+@_register("pad")
+def _pad(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    cfg = eqn.params["padding_config"]
+    ok = _full_extent(eqn, lambda x: tuple(cfg[x]) == (0, 0, 0), "pad pads a position axis")
+    return [_remap(_elementwise(in_maps, "pad"), ok)]
+
+
+@_register("stack")
+def _stack(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    axis = eqn.params["axis"]
+    return [_remap(_elementwise(in_maps, "stack"), lambda a: tuple(x + (x >= axis) for x in a))]
+
+
+@_register("iota")
+def _iota(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    return [{}]
+
+
+@_register("dot_general")
+def _dot_general_rule(
+    eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse
+) -> list[AlignMap]:
+    return [_dot_general(eqn, in_maps)]
+
+
+@_register("gather")
+def _gather_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    return [_gather(eqn, in_maps)]
+
+
+_SCATTERS: tuple[str, ...] = ("scatter", "scatter-add", "scatter_add", "scatter-mul")
+_SCATTERS += ("scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
+
+
+@_register(*_SCATTERS)
+def _scatter_rule(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    return [_scatter(eqn, in_maps)]
+
+
+@_register("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+def _custom_call(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    body = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    if isinstance(body, ClosedJaxpr) and len(body.jaxpr.invars) == len(in_maps):
+        return recurse(body, in_maps)
+    return _unknown(eqn, in_maps)
+
+
+@_register("cond")
+def _cond(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    results = [recurse(b, in_maps[1:]) for b in eqn.params["branches"]]
+    outs: list[AlignMap] = []
+    for k in range(_n_out(eqn)):
+        merged = _elementwise([r[k] for r in results], "cond")
+        outs.append(_mixed_by_index(merged, in_maps[:1], "cond predicate depends on a source"))
+    return outs
+
+
+def _shift(m: AlignMap, by: int, what: str) -> AlignMap:
+    """Alignments moved by `by` axes (a loop's stacked axis added or removed)."""
+
+    def fn(a: Align) -> Align | str:
+        if by < 0 and 0 in a:
+            return what
+        return tuple(x + by for x in a)
+
+    return _remap(m, fn)
+
+
+@_register("scan")
+def _scan(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    """A loop: its body is analysed with each carry's alignment widened to a fixed point
+    (the carry's alignment at entry merged with what the body makes of it)."""
+    p = eqn.params
+    n_c, n_carry = int(p["num_consts"]), int(p["num_carry"])
+    consts, carry = list(in_maps[:n_c]), list(in_maps[n_c : n_c + n_carry])
+    xs = [_shift(m, -1, "scan runs along a position axis") for m in in_maps[n_c + n_carry :]]
+    outs: list[AlignMap] = []
+    for _ in range(n_carry + 2):
+        outs = recurse(p["jaxpr"], [*consts, *carry, *xs])
+        widened = [_elementwise([c, o], "scan") for c, o in zip(carry, outs[:n_carry], strict=True)]
+        if widened == carry:
+            break
+        carry = widened
+    else:
+        return _unknown(eqn, in_maps)
+    ys = [_shift(m, 1, "") for m in outs[n_carry:]]
+    return [*carry, *ys]
+
+
+def _unknown(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap]:
+    sources = {s for m in in_maps for s in m}
+    reason = (
+        f"primitive '{eqn.primitive.name}' is not known to keep positions apart (declare how "
+        "it moves positions with etrax.register_position_rule)"
+    )
+    return [{s: Mixed(reason) for s in sorted(sources)} for _ in range(_n_out(eqn))]
+
+
+def register_position_rule(
+    primitive: Any, rule: PositionRule | Literal["elementwise", "mixing"]
+) -> None:
+    """Declare how a primitive moves positions, for the compiler's position analysis.
+
+    The analysis decides whether a hidden state's transition and each weight op's
+    path to a hidden state keep positions apart (diagonal: exact, cheap traces) or
+    mix them. Primitives it does not know are treated as mixing, with a diagnostic
+    naming them; register a rule to change that.
+
+    **Arguments:**
+
+    - `primitive`: a JAX `Primitive` (matched by identity) or a primitive name
+      (matched by ``eqn.primitive.name``).
+    - `rule`: ``"elementwise"`` (every output position reads only the same position
+      of every operand, all of the output's shape), ``"mixing"``, or a
+      `PositionRule` function ``(eqn, in_maps, recurse) -> list of maps``.
+
+    A rule registered for a name etrax already knows replaces etrax's rule.
+    """
+    if rule == "elementwise":
+        _RULES[primitive] = elementwise_rule
+    elif rule == "mixing":
+        _RULES[primitive] = mixing_rule
+    elif callable(rule):
+        _RULES[primitive] = rule
+    else:
+        raise ValueError(
+            f"register_position_rule: rule must be 'elementwise', 'mixing' or a function, "
+            f"got {rule!r}"
+        )
 
 
 def positions_rule(
@@ -536,12 +636,16 @@ def positions_rule(
     in_maps: Sequence[AlignMap],
     recurse: Recurse,
 ) -> list[AlignMap]:
-    """Alignment of an equation's outputs given its inputs' alignments."""
-    for rule in (_shape_rule, _axis_rule, _window_rule):
-        out = rule(eqn, in_maps)
-        if out is not None:
-            return out
-    return _structured_rule(eqn, in_maps, recurse)
+    """Alignment of an equation's outputs given its inputs' alignments: the rule
+    registered for its primitive (by identity, then by name), or a call body's own
+    analysis, or the conservative default."""
+    rule = _RULES.get(eqn.primitive) or _RULES.get(str(eqn.primitive.name))
+    if rule is not None:
+        return rule(eqn, in_maps, recurse)
+    body = call_body(eqn)
+    if body is not None and len(body.jaxpr.invars) == len(in_maps):
+        return recurse(body, in_maps)
+    return _unknown(eqn, in_maps)
 
 
 def analyse(

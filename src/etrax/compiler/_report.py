@@ -3,7 +3,7 @@
 from typing import TextIO
 
 from .._typing import Path
-from ._diagnostics import DiagnosticLevel
+from ._diagnostics import DiagnosticKind, DiagnosticLevel
 from ._graph import ETraceGraph, WeightRule
 
 __all__ = ["CompilationReport"]
@@ -95,6 +95,11 @@ class CompilationReport:
                 lines.append(
                     f"   Weight {rel.index}: {rel.weight_path} via {name} -> {where}{extra}"
                 )
+            lines.append("")
+        recognised = g.explain(kind=DiagnosticKind.WEIGHT_OP_RECOGNISED)
+        if recognised:
+            lines.append("Weight operations recognised automatically (no etrax op in the model):")
+            lines.extend(f"   {r.message}" for r in recognised)
             lines.append("")
         excluded = self.excluded_weights
         if excluded:

@@ -1,0 +1,698 @@
+"""Normalisation (part of stage 1, `extract`): the step's jaxpr rewritten into the
+form the later stages trace.
+
+Three rewrites, each optional through a `CompilePolicy`:
+
+- **Weight operations recognised.** A plain ``dot_general`` (``@``, ``jnp.dot``,
+  ``jnp.einsum``, brainunit's ``dot``/``matmul``) or ``conv_general_dilated`` whose
+  one operand is a *weight value* (computed from ParamState leaves and constants
+  only: the leaf itself, ``abs(w)``, ``w * mask``, a standardised ``w``, …) and whose
+  other operand is data becomes the equivalent ETP op (`etrax.matmul`, `etrax.conv`).
+  A following ``+ b`` with a weight-valued ``b`` along the output features becomes
+  the op's bias.
+- **Fused gates split.** When such an op's output (through element-wise functions of
+  it alone, e.g. ``sigmoid``) is only ever cut into parts along its feature axis
+  (``jnp.split``, slices), each part becomes its own op on the matching slice of the
+  weight and bias. The parts reach hidden states element-wise, so each is traced;
+  the per-use accounting sums the parts' gradients into the one ParamState.
+- **Control flow flattened.** ``lax.cond`` / ``lax.switch`` are if-converted (every
+  branch evaluated, the result selected); a ``lax.scan`` (``fori_loop`` with static
+  bounds) of at most `CompilePolicy.unroll_limit` steps is unrolled. Longer scans and
+  weight-free ``while_loop`` s stay whole (opaque to tracing); a weight read inside a
+  ``while_loop`` is refused, since a loop of unknown length cannot be traced.
+
+The rewrite re-traces the jaxpr through an interpreter, keeping every equation's
+source location, so the result has the same inputs and outputs in the same order.
+"""
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._compat import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    aval_of,
+    bind_equation,
+    equation_context,
+    equation_location,
+    struct_of,
+)
+from .._errors import NotSupportedError, RewriteLimitError
+from .._typing import Path
+from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
+
+__all__ = ["CompilePolicy", "normalise"]
+
+
+class CompilePolicy(eqx.Module):
+    """How the compiler rewrites a model's step before tracing it.
+
+    **Arguments:**
+
+    - `recognise_weight_ops`: turn plain ``dot_general`` / ``conv_general_dilated``
+      on ParamState values into traced weight ops (`etrax.matmul`, `etrax.conv`), with
+      a following bias add folded in and fused gates split (default ``True``). With
+      ``False``, only ETP ops are traced and plain weight uses get their exact
+      instantaneous gradient.
+    - `if_convert`: evaluate every branch of ``lax.cond`` / ``lax.switch`` and select
+      the result (default ``True``), so operations inside branches are traced. A
+      branch whose value is not finite where it is not selected can still give a
+      non-finite gradient, as with ``jnp.where``.
+    - `unroll_limit`: unroll ``lax.scan`` / ``lax.fori_loop`` with at most this many
+      steps (default 16); longer loops stay whole.
+    - `max_equations`: a bound on the rewritten step's size; a rewrite past it (deeply
+      nested loops) raises `RewriteLimitError` instead of running for ever.
+    """
+
+    recognise_weight_ops: bool = eqx.field(static=True, default=True)
+    if_convert: bool = eqx.field(static=True, default=True)
+    unroll_limit: int = eqx.field(static=True, default=16)
+    max_equations: int = eqx.field(static=True, default=200_000)
+
+    def __check_init__(self) -> None:
+        if self.unroll_limit < 0:
+            raise ValueError(
+                f"CompilePolicy.unroll_limit must be an int >= 0, got {self.unroll_limit!r}"
+            )
+        if self.max_equations < 1:
+            raise ValueError(
+                f"CompilePolicy.max_equations must be an int >= 1, got {self.max_equations!r}"
+            )
+
+
+class _Kind(enum.IntEnum):
+    """What a value is computed from (ordered: a join is the maximum)."""
+
+    CONST = 0
+    WEIGHT = 1
+    DATA = 2
+
+
+_Sources = frozenset[int]
+
+
+def _read_kind(kinds: Mapping[Var, _Kind], atom: Any) -> _Kind:
+    return _Kind.CONST if isinstance(atom, Literal) else kinds[atom]
+
+
+def _static_kinds(
+    jaxpr: Jaxpr, in_kinds: Sequence[_Kind], in_sources: Sequence[_Sources]
+) -> tuple[dict[Var, _Kind], dict[Var, _Sources]]:
+    """The kind of every variable, and the weight inputs each weight value reads."""
+    kinds: dict[Var, _Kind] = {v: _Kind.CONST for v in jaxpr.constvars}
+    sources: dict[Var, _Sources] = {}
+    for v, k, s in zip(jaxpr.invars, in_kinds, in_sources, strict=True):
+        kinds[v] = k
+        sources[v] = s
+    for eqn in jaxpr.eqns:
+        ks = [_read_kind(kinds, a) for a in eqn.invars]
+        k = max(ks, default=_Kind.CONST)
+        src: _Sources = frozenset().union(
+            *(sources.get(a, frozenset()) for a in eqn.invars if isinstance(a, Var))
+        )
+        for o in eqn.outvars:
+            if not isinstance(o, DropVar):
+                kinds[o] = k
+                sources[o] = src
+    return kinds, sources
+
+
+_UNARY_CHAIN = frozenset(
+    {
+        "logistic", "tanh", "exp", "exp2", "log", "log1p", "expm1", "neg", "abs", "sign",
+        "sqrt", "rsqrt", "cbrt", "sin", "cos", "erf", "square", "integer_pow", "mul", "add",
+        "sub", "div", "max", "min", "pow", "convert_element_type", "copy", "copy_p",
+    }
+)  # fmt: skip
+"""Element-wise primitives a fused op's output may pass through before it is split
+(as long as every other operand is a literal)."""
+
+
+@dataclass
+class _Fused:
+    """A recognised weight op: where it starts, what it absorbs, how it is cut."""
+
+    anchor: int  # the dot_general / conv equation
+    weight_slot: int  # which operand of the anchor is the weight
+    bias_eqn: int | None = None  # the `add` folded in as the op's bias
+    bias_atom: Any = None  # that add's weight-valued operand
+    chain: list[int] = field(default_factory=list)  # element-wise eqns before the split
+    cuts: list[int] = field(default_factory=list)  # split / slice eqns that take parts
+
+    @property
+    def emit_at(self) -> int:
+        return self.bias_eqn if self.bias_eqn is not None else self.anchor
+
+    @property
+    def absorbed(self) -> set[int]:
+        eqns = {self.anchor, *self.chain}
+        if self.bias_eqn is not None:
+            eqns.add(self.bias_eqn)
+        return eqns
+
+
+class _Uses:
+    """Consumers of every variable of one jaxpr."""
+
+    def __init__(self, jaxpr: Jaxpr) -> None:
+        self.consumers: dict[Var, list[int]] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for a in eqn.invars:
+                if isinstance(a, Var):
+                    self.consumers.setdefault(a, []).append(i)
+        self.outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+
+    def only_consumer(self, var: Var) -> int | None:
+        users = self.consumers.get(var, [])
+        if var in self.outputs or len(set(users)) != 1:
+            return None
+        return users[0]
+
+
+def _dense_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
+    """Whether a dot_general is ``x · W`` in a form `etrax.matmul` expresses: no batch
+    dimensions, one output feature axis of the weight, at most one free axis of the
+    data, and the output laid out as ``(*free data axes, features)``."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lb or rb:
+        return False
+    ndim = [len(aval_of(a).shape) for a in eqn.invars]
+    w_contract = rc if weight_slot == 1 else lc
+    x_contract = lc if weight_slot == 1 else rc
+    w_free = [d for d in range(ndim[weight_slot]) if d not in w_contract]
+    x_free = [d for d in range(ndim[1 - weight_slot]) if d not in x_contract]
+    if len(w_free) != 1 or len(x_free) > 1 or not w_contract:
+        return False
+    return weight_slot == 1 or not x_free
+
+
+def _conv_dims(eqn: JaxprEqn) -> bool:
+    """Whether a convolution is in the channel-last layout `etrax.conv` traces."""
+    from ..ops._conv import default_dimension_numbers
+
+    p = eqn.params
+    lhs, rhs = (aval_of(a) for a in eqn.invars)
+    n = len(rhs.shape) - 2
+    if n not in (1, 2, 3) or len(lhs.shape) != n + 2:
+        return False
+    if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+        return False
+    want = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, default_dimension_numbers(n))
+    return bool(p["dimension_numbers"] == want)
+
+
+def _bias_source(
+    jaxpr: Jaxpr, producers: Mapping[Var, int], atom: Any, features: int, out_ndim: int
+) -> bool:
+    """Whether `atom` is a bias along the last axis: shape ``(F,)``, ``(1, …, 1, F)``,
+    or a ``broadcast_in_dim`` of an ``(F,)`` value onto the last axis."""
+    if not isinstance(atom, Var):
+        return False
+    shape = tuple(aval_of(atom).shape)
+    if shape and shape[-1] == features and all(d == 1 for d in shape[:-1]):
+        return len(shape) <= out_ndim
+    i = producers.get(atom)
+    if i is None:
+        return False
+    eqn = jaxpr.eqns[i]
+    if eqn.primitive.name != "broadcast_in_dim":
+        return False
+    src = eqn.invars[0]
+    return tuple(aval_of(src).shape) == (features,) and tuple(
+        eqn.params["broadcast_dimensions"]
+    ) == (len(shape) - 1,)
+
+
+def _cut_parts(eqn: JaxprEqn, features: int) -> list[tuple[int, int]] | None:
+    """The feature ranges a split / slice equation takes along the last axis, or
+    `None` when it cuts anything else."""
+    ndim = len(aval_of(eqn.invars[0]).shape)
+    name = eqn.primitive.name
+    if name == "split":
+        if eqn.params["axis"] not in (ndim - 1, -1):
+            return None
+        parts, start = [], 0
+        for size in eqn.params["sizes"]:
+            parts.append((start, start + int(size)))
+            start += int(size)
+        return parts
+    if name == "slice":
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        strides = eqn.params["strides"]
+        shape = aval_of(eqn.invars[0]).shape
+        if strides is not None and any(s != 1 for s in strides):
+            return None
+        if any(start[d] != 0 or limit[d] != shape[d] for d in range(ndim - 1)):
+            return None
+        return [(int(start[-1]), int(limit[-1]))]
+    return None
+
+
+def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
+    """The weight operations to recognise in one jaxpr, keyed by anchor equation."""
+    uses = _Uses(jaxpr)
+    producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    plans: dict[int, _Fused] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name not in ("dot_general", "conv_general_dilated"):
+            continue
+        k = [_read_kind(kinds, a) for a in eqn.invars]
+        if sorted(k) != [_Kind.WEIGHT, _Kind.DATA]:
+            continue
+        slot = k.index(_Kind.WEIGHT)
+        if name == "dot_general" and not _dense_dims(eqn, slot):
+            continue
+        if name == "conv_general_dilated" and (slot != 1 or not _conv_dims(eqn)):
+            continue
+        fused = _Fused(anchor=i, weight_slot=slot)
+        out = eqn.outvars[0]
+        out_aval = aval_of(out)
+        features = int(out_aval.shape[-1])
+        j = uses.only_consumer(out)
+        if j is not None and jaxpr.eqns[j].primitive.name == "add":
+            add = jaxpr.eqns[j]
+            other = add.invars[1] if add.invars[0] is out else add.invars[0]
+            if (
+                _read_kind(kinds, other) is _Kind.WEIGHT
+                and _bias_source(jaxpr, producers, other, features, len(out_aval.shape))
+                and tuple(aval_of(add.outvars[0]).shape) == tuple(out_aval.shape)
+            ):
+                fused.bias_eqn, fused.bias_atom = j, other
+                out = add.outvars[0]
+        _plan_cuts(jaxpr, uses, fused, out, features)
+        plans[i] = fused
+    return plans
+
+
+def _plan_cuts(jaxpr: Jaxpr, uses: _Uses, fused: _Fused, out: Var, features: int) -> None:
+    """Follow element-wise functions of the op's output to splits along its features."""
+    chain: list[int] = []
+    while True:
+        if out in uses.outputs:
+            return
+        users = sorted(set(uses.consumers.get(out, [])))
+        if not users:
+            return
+        cuts = [u for u in users if _cut_parts(jaxpr.eqns[u], features) is not None]
+        if len(cuts) == len(users) and all(jaxpr.eqns[u].invars[0] is out for u in cuts):
+            fused.chain, fused.cuts = chain, cuts
+            return
+        if len(users) != 1:
+            return
+        eqn = jaxpr.eqns[users[0]]
+        others = [a for a in eqn.invars if a is not out]
+        if (
+            eqn.primitive.name not in _UNARY_CHAIN
+            or len(eqn.outvars) != 1
+            or not all(isinstance(a, Literal) for a in others)
+            or tuple(aval_of(eqn.outvars[0]).shape) != tuple(aval_of(out).shape)
+        ):
+            return
+        chain.append(users[0])
+        out = eqn.outvars[0]
+
+
+class _Budget:
+    """Counts equations emitted by the rewrite and stops a runaway unrolling."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def spend(self, n: int, where: str) -> None:
+        self.used += n
+        if self.used > self.limit:
+            raise RewriteLimitError(
+                f"Rewriting update() would produce more than {self.limit} equations "
+                f"(reached while unrolling the loop at {where}). Lower "
+                "CompilePolicy.unroll_limit so that long loops stay whole, or raise "
+                "CompilePolicy.max_equations."
+            )
+
+
+class _Rewriter:
+    """Evaluates a jaxpr under `jax.make_jaxpr`, applying the planned rewrites."""
+
+    def __init__(
+        self, policy: CompilePolicy, names: Mapping[int, Path], records: list[CompilationRecord]
+    ) -> None:
+        self.policy = policy
+        self.names = names
+        self.records = records
+        self.budget = _Budget(policy.max_equations)
+        self.seen: set[int] = set()
+
+    # ----- the interpreter -----------------------------------------------------------
+
+    def run(
+        self,
+        jaxpr: Jaxpr,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        in_kinds: Sequence[_Kind],
+        in_sources: Sequence[_Sources],
+    ) -> list[Any]:
+        kinds, sources = _static_kinds(jaxpr, in_kinds, in_sources)
+        plans = _plan(jaxpr, kinds) if self.policy.recognise_weight_ops else {}
+        by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
+        by_cut = {c: p for p in plans.values() for c in p.cuts}
+        skipped = {i for p in plans.values() for i in p.absorbed} - set(by_emit)
+        self.budget.spend(len(jaxpr.eqns), "the top level")
+        env: dict[Var, Any] = {}
+
+        def read(atom: Any) -> Any:
+            return atom.val if isinstance(atom, Literal) else env[atom]
+
+        def write(outvars: Sequence[Any], values: Sequence[Any]) -> None:
+            for v, val in zip(outvars, values, strict=True):
+                if not isinstance(v, DropVar):
+                    env[v] = val
+
+        env.update(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in by_cut:
+                plan = by_cut[i]
+                write(eqn.outvars, self._parts(jaxpr, plan, eqn, read, sources))
+                continue
+            if i in by_emit:
+                plan = by_emit[i]
+                write(eqn.outvars, [self._emit(jaxpr, plan, read, sources)])
+                continue
+            if i in skipped:
+                continue
+            write(eqn.outvars, self._equation(eqn, read, kinds, sources))
+        return [read(a) for a in jaxpr.outvars]
+
+    def _equation(
+        self,
+        eqn: JaxprEqn,
+        read: Any,
+        kinds: Mapping[Var, _Kind],
+        sources: Mapping[Var, _Sources],
+    ) -> list[Any]:
+        name = eqn.primitive.name
+        invals = [read(a) for a in eqn.invars]
+        ks = [_read_kind(kinds, a) for a in eqn.invars]
+        ss = [
+            sources.get(a, frozenset()) if isinstance(a, Var) else frozenset() for a in eqn.invars
+        ]
+        if name == "cond" and self.policy.if_convert and not _effects(eqn):
+            return self._cond(eqn, invals, ks, ss)
+        if name == "scan" and self._unrolls(eqn):
+            return self._scan(eqn, invals, ks, ss)
+        if name == "while" and any(k is _Kind.WEIGHT for k in ks):
+            self._refuse_while(eqn, ss, ks)
+        if name == "scan" and any(k is _Kind.WEIGHT for k in ks):
+            self._note_long_scan(eqn, ss, ks)
+        return bind_equation(eqn, invals)
+
+    # ----- recognised weight ops ---------------------------------------------------------
+
+    def _operands(self, jaxpr: Jaxpr, plan: _Fused, read: Any) -> tuple[JaxprEqn, Any, Any, Any]:
+        eqn = jaxpr.eqns[plan.anchor]
+        x = read(eqn.invars[1 - plan.weight_slot])
+        w = read(eqn.invars[plan.weight_slot])
+        bias = None if plan.bias_atom is None else _bias_value(jaxpr, plan.bias_atom, read)
+        return eqn, x, w, bias
+
+    def _op(
+        self, eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any, part: tuple[int, int] | None
+    ) -> Any:
+        """The ETP op equivalent to the anchor equation (on one feature range)."""
+        from ..ops import conv, matmul
+
+        with equation_context(eqn):
+            if eqn.primitive.name == "dot_general":
+                x2, w2 = _dense_operands(eqn, slot, x, w)
+            else:
+                x2, w2 = x, w
+            if part is not None:
+                w2 = w2[..., part[0] : part[1]]
+                bias = None if bias is None else bias[part[0] : part[1]]
+            if bias is not None:
+                bias = bias.astype(w2.dtype)
+            if eqn.primitive.name == "dot_general":
+                y = matmul(x2, w2, bias)
+            else:
+                p = eqn.params
+                y = conv(
+                    x2,
+                    w2,
+                    bias,
+                    strides=tuple(p["window_strides"]),
+                    padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
+                    lhs_dilation=tuple(p["lhs_dilation"]),
+                    rhs_dilation=tuple(p["rhs_dilation"]),
+                )
+            dtype = aval_of(eqn.outvars[0]).dtype
+            return y if y.dtype == dtype else y.astype(dtype)
+
+    def _emit(
+        self,
+        jaxpr: Jaxpr,
+        plan: _Fused,
+        read: Any,
+        sources: Mapping[Var, _Sources],
+    ) -> Any:
+        eqn, x, w, bias = self._operands(jaxpr, plan, read)
+        self._note_recognised(jaxpr, plan, sources)
+        return self._op(eqn, plan.weight_slot, x, w, bias, None)
+
+    def _parts(
+        self,
+        jaxpr: Jaxpr,
+        plan: _Fused,
+        cut: JaxprEqn,
+        read: Any,
+        sources: Mapping[Var, _Sources],
+    ) -> list[Any]:
+        eqn, x, w, bias = self._operands(jaxpr, plan, read)
+        self._note_recognised(jaxpr, plan, sources)
+        features = int(aval_of(eqn.outvars[0]).shape[-1])
+        ranges = _cut_parts(cut, features)
+        assert ranges is not None
+        outs = []
+        for part in ranges:
+            y = self._op(eqn, plan.weight_slot, x, w, bias, part)
+            for c in plan.chain:
+                ce = jaxpr.eqns[c]
+                (y,) = bind_equation(ce, [y if isinstance(a, Var) else a.val for a in ce.invars])
+            outs.append(y)
+        return outs
+
+    def _note_recognised(self, jaxpr: Jaxpr, plan: _Fused, sources: Mapping[Var, _Sources]) -> None:
+        key = id(jaxpr.eqns[plan.anchor])
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        eqn = jaxpr.eqns[plan.anchor]
+        w_atom = eqn.invars[plan.weight_slot]
+        paths = self._paths(
+            sources.get(w_atom, frozenset()) if isinstance(w_atom, Var) else frozenset()
+        )
+        op = "etrax.matmul" if eqn.primitive.name == "dot_general" else "etrax.conv"
+        extras = []
+        if plan.bias_eqn is not None:
+            extras.append("with the following add as its bias")
+        if plan.cuts:
+            n = sum(len(_cut_parts(jaxpr.eqns[c], 0) or []) for c in plan.cuts)
+            extras.append(f"cut into {n} parts along its features (fused gates), one op each")
+        extra = f" ({'; '.join(extras)})" if extras else ""
+        self.records.append(
+            record(
+                DiagnosticKind.WEIGHT_OP_RECOGNISED,
+                DiagnosticLevel.INFO,
+                f"{eqn.primitive.name} at {equation_location(eqn)} on {list(paths)} was "
+                f"recognised as {op}{extra}.",
+                primitive=str(eqn.primitive.name),
+                weight_path=paths[0] if paths else None,
+                parts=len(plan.cuts),
+            )
+        )
+
+    def _paths(self, srcs: _Sources) -> tuple[Path, ...]:
+        return tuple(dict.fromkeys(self.names[i] for i in sorted(srcs) if i in self.names))
+
+    # ----- control flow ------------------------------------------------------------------
+
+    def _cond(
+        self, eqn: JaxprEqn, invals: list[Any], ks: list[_Kind], ss: list[_Sources]
+    ) -> list[Any]:
+        index, *ops = invals
+        branches = eqn.params["branches"]
+        with equation_context(eqn):
+            results = [self.run(b.jaxpr, b.consts, ops, ks[1:], ss[1:]) for b in branches]
+            if len(branches) == 1:
+                return results[0]
+            index = jnp.clip(index.astype(jnp.int32), 0, len(branches) - 1)
+            return [
+                jax.lax.select_n(index, *(r[j] for r in results)) for j in range(len(eqn.outvars))
+            ]
+
+    def _unrolls(self, eqn: JaxprEqn) -> bool:
+        length = int(eqn.params["length"])
+        return 0 < length <= self.policy.unroll_limit and not _effects(eqn)
+
+    def _scan(
+        self, eqn: JaxprEqn, invals: list[Any], ks: list[_Kind], ss: list[_Sources]
+    ) -> list[Any]:
+        p = eqn.params
+        body: ClosedJaxpr = p["jaxpr"]
+        n_const, n_carry, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+        consts, carry, xs = (
+            invals[:n_const],
+            invals[n_const : n_const + n_carry],
+            invals[n_const + n_carry :],
+        )
+        k_c, k_carry, k_x = ks[:n_const], ks[n_const : n_const + n_carry], ks[n_const + n_carry :]
+        s_c, s_carry, s_x = ss[:n_const], ss[n_const : n_const + n_carry], ss[n_const + n_carry :]
+        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        ys_steps: dict[int, list[Any]] = {}
+        with equation_context(eqn):
+            for t in order:
+                x_t = [jax.lax.index_in_dim(x, t, keepdims=False) for x in xs]
+                outs = self.run(
+                    body.jaxpr, body.consts, [*consts, *carry, *x_t],
+                    [*k_c, *k_carry, *k_x], [*s_c, *s_carry, *s_x],
+                )  # fmt: skip
+                carry, ys_steps[t] = outs[:n_carry], outs[n_carry:]
+                joined = max([*k_c, *k_carry, *k_x], default=_Kind.CONST)
+                k_carry = [max(k, joined) for k in k_carry]
+                self.budget.spend(0, equation_location(eqn))
+            n_ys = len(eqn.outvars) - n_carry
+            ys = [jnp.stack([ys_steps[t][j] for t in range(length)]) for j in range(n_ys)]
+        return [*carry, *ys]
+
+    def _refuse_while(self, eqn: JaxprEqn, ss: list[_Sources], ks: list[_Kind]) -> None:
+        srcs: _Sources = frozenset().union(
+            *(s for s, k in zip(ss, ks, strict=True) if k is _Kind.WEIGHT)
+        )
+        paths = self._paths(srcs)
+        where = equation_location(eqn)
+        rec = record(
+            DiagnosticKind.PRIMITIVE_INSIDE_CONTROL_FLOW,
+            DiagnosticLevel.ERROR,
+            f"The weight state(s) {list(paths)} are read inside a while_loop at {where}.",
+            primitive="while",
+            weight_path=paths[0] if paths else None,
+        )
+        raise NotSupportedError(
+            f"The weight state(s) {list(paths)} are read inside a lax.while_loop at {where}. "
+            "A loop whose length is only known at run time cannot be traced online. Use "
+            "lax.fori_loop / lax.scan with static bounds (unrolled up to "
+            "CompilePolicy.unroll_limit steps), or move the weight operation out of the loop.",
+            [*self.records, rec],
+        )
+
+    def _note_long_scan(self, eqn: JaxprEqn, ss: list[_Sources], ks: list[_Kind]) -> None:
+        srcs: _Sources = frozenset().union(
+            *(s for s, k in zip(ss, ks, strict=True) if k is _Kind.WEIGHT)
+        )
+        self.records.append(
+            record(
+                DiagnosticKind.LOOP_KEPT_WHOLE,
+                DiagnosticLevel.INFO,
+                f"The scan of {eqn.params['length']} steps at {equation_location(eqn)} is longer "
+                f"than CompilePolicy.unroll_limit={self.policy.unroll_limit}; it stays whole, "
+                f"so the weights read inside it ({list(self._paths(srcs))}) are not traced "
+                "through it (they still get their exact instantaneous gradient).",
+                primitive="scan",
+            )
+        )
+
+
+def _effects(eqn: JaxprEqn) -> bool:
+    return bool(getattr(eqn, "effects", None))
+
+
+def _bias_value(jaxpr: Jaxpr, atom: Var, read: Any) -> Any:
+    """The ``(F,)`` bias vector of a planned bias operand."""
+    shape = tuple(aval_of(atom).shape)
+    if all(d == 1 for d in shape[:-1]):
+        return jnp.reshape(read(atom), (shape[-1],))
+    for eqn in jaxpr.eqns:
+        if atom in eqn.outvars:
+            return read(eqn.invars[0])
+    raise AssertionError("planned bias has no producer")
+
+
+def _dense_operands(eqn: JaxprEqn, slot: int, x: Any, w: Any) -> tuple[Any, Any]:
+    """``(x2, W2)`` with ``x2 @ W2`` equal to the dot_general (`slot`: the weight's
+    operand position): ``x2`` of shape ``(in,)`` or ``(N, in)``, ``W2`` of ``(in, F)``.
+    The contracted axes are flattened in the order the dot_general pairs them."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    w_contract, x_contract = (tuple(rc), tuple(lc)) if slot == 1 else (tuple(lc), tuple(rc))
+    x_shape, w_shape = jnp.shape(x), jnp.shape(w)
+    x_free = [d for d in range(len(x_shape)) if d not in x_contract]
+    w_free = [d for d in range(len(w_shape)) if d not in w_contract]
+    n_in = int(np.prod([x_shape[d] for d in x_contract]))
+    x2 = jnp.reshape(
+        jnp.transpose(x, (*x_free, *x_contract)), (*[x_shape[d] for d in x_free], n_in)
+    )
+    w2 = jnp.reshape(
+        jnp.transpose(w, (*w_contract, *w_free)), (n_in, int(np.prod([w_shape[d] for d in w_free])))
+    )
+    return x2, w2
+
+
+def normalise(
+    closed: ClosedJaxpr,
+    weight_inputs: Mapping[int, Path],
+    policy: CompilePolicy,
+) -> tuple[ClosedJaxpr, list[CompilationRecord]]:
+    """The step's jaxpr with weight ops recognised and control flow flattened.
+
+    **Arguments:**
+
+    - `closed`: the step's (call-inlined) jaxpr.
+    - `weight_inputs`: jaxpr input position → path of the ParamState it is a leaf of.
+    - `policy`: what to rewrite.
+
+    **Returns:** ``(jaxpr, records)``: the same jaxpr when nothing applies.
+    """
+    jaxpr = closed.jaxpr
+    n = len(jaxpr.invars)
+    in_kinds = [_Kind.WEIGHT if i in weight_inputs else _Kind.DATA for i in range(n)]
+    in_sources: list[_Sources] = [
+        frozenset({i}) if i in weight_inputs else frozenset() for i in range(n)
+    ]
+    if not _needs_rewrite(jaxpr, in_kinds, in_sources, policy):
+        return closed, []
+    records: list[CompilationRecord] = []
+    rewriter = _Rewriter(policy, weight_inputs, records)
+
+    def step(*args: Any) -> list[Any]:
+        return rewriter.run(jaxpr, closed.consts, args, in_kinds, in_sources)
+
+    avals = [struct_of(v) for v in jaxpr.invars]
+    return jax.make_jaxpr(step)(*avals), records
+
+
+def _needs_rewrite(
+    jaxpr: Jaxpr, in_kinds: Sequence[_Kind], in_sources: Sequence[_Sources], policy: CompilePolicy
+) -> bool:
+    kinds, _ = _static_kinds(jaxpr, in_kinds, in_sources)
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "cond" and policy.if_convert:
+            return True
+        if name == "scan" and 0 < int(eqn.params["length"]) <= policy.unroll_limit:
+            return True
+        if name == "while" and any(_read_kind(kinds, a) is _Kind.WEIGHT for a in eqn.invars):
+            return True
+        if name == "scan" and any(_read_kind(kinds, a) is _Kind.WEIGHT for a in eqn.invars):
+            return True
+    return policy.recognise_weight_ops and bool(_plan(jaxpr, kinds))

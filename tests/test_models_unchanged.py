@@ -1,0 +1,622 @@
+"""The models people write compile and train unchanged: plain brainstate layers,
+fused gates, control flow inside ``update``, units, and user position rules.
+
+Oracles: gradients through brainstate's own jaxpr of ``model.update``
+(`oracles.bptt_grads`), and the etrax.nn counterparts written with ETP ops.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import brainstate
+import brainunit as u
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, ArrayLike
+
+import etrax
+from etrax.compiler import DiagnosticKind as K
+from etrax.compiler import StateKind
+
+from .oracles import bptt_grads
+
+TOL = 1e-10
+T = 6
+
+
+def sq(y: Any, t: Any) -> Array:
+    return jnp.sum((y - t) ** 2)
+
+
+def _sequence(
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], steps: int, seed: int = 0
+) -> tuple[Array, Array]:
+    kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+    return jax.random.normal(kx, (steps, *x_shape)), jax.random.normal(ky, (steps, *y_shape))
+
+
+def _close(a: Any, b: Any, tol: float = TOL) -> None:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    scale = max(1.0, *(float(jnp.max(jnp.abs(jnp.asarray(x)))) for x in lb))
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=tol * scale)
+
+
+def _online(graph: etrax.ETraceGraph, algo: etrax.OnlineAlgorithm, xs: Array, ys: Array) -> Any:
+    state = etrax.state_of(graph)
+    grads, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ys, sq)
+    return grads
+
+
+def _etp_free(model: brainstate.nn.Module, x: Array) -> None:
+    """The model's own jaxpr has no ETP op (it is written without etrax)."""
+    fn = brainstate.transform.StatefulFunction(model.update, return_only_write=False)
+    eqns = fn.get_jaxpr(x).jaxpr.eqns
+    assert not any(etrax.etp_spec(e.primitive) is not None for e in eqns)
+
+
+# ----- plain brainstate cells against their etrax.nn counterparts ------------------------
+
+
+class Net(brainstate.nn.Module):
+    """A recurrent cell and a readout (both layers as given)."""
+
+    def __init__(self, cell: brainstate.nn.Module, readout: brainstate.nn.Linear) -> None:
+        super().__init__()
+        self.cell = cell
+        self.out = readout
+
+    def update(self, x: ArrayLike) -> Array:
+        y: Array = self.out(self.cell(x))
+        return y
+
+
+def _pieces(value: Array, n: int) -> list[Array]:
+    return list(jnp.split(value, n, axis=-1))
+
+
+# brainstate layer path → [(etrax path, feature slice count, slice index)]; for each
+# cell the brainstate fused weight is the concatenation of the etrax gates.
+CELLS: dict[str, tuple[Callable[[], Any], Callable[[], Any], dict[str, list[str]]]] = {
+    "GRUCell": (
+        lambda: brainstate.nn.GRUCell(3, 4),
+        lambda: etrax.nn.GRUCell(3, 4),
+        {"Wrz": ["Wr", "Wz"], "Wh": ["Wh"]},
+    ),
+    "LSTMCell": (
+        lambda: brainstate.nn.LSTMCell(3, 4),
+        lambda: etrax.nn.LSTMCell(3, 4),
+        {"W": ["Wi", "Wg", "Wf", "Wo"]},
+    ),
+    "MGUCell": (
+        lambda: brainstate.nn.MGUCell(3, 4),
+        lambda: etrax.nn.MGUCell(3, 4),
+        {"Wf": ["Wf"], "Wh": ["Wh"]},
+    ),
+    "VanillaRNNCell": (
+        lambda: brainstate.nn.ValinaRNNCell(3, 4),
+        lambda: etrax.nn.ValinaRNNCell(3, 4),
+        {"W": ["W"]},
+    ),
+}
+
+
+def _pair(name: str, batch: int | None) -> tuple[Net, Net]:
+    make_bs, make_et, layout = CELLS[name]
+    bs = Net(make_bs(), brainstate.nn.Linear(4, 2))
+    et = Net(make_et(), brainstate.nn.Linear(4, 2))
+    brainstate.nn.init_all_states(bs, batch_size=batch)
+    brainstate.nn.init_all_states(et, batch_size=batch)
+    for fused, gates in layout.items():
+        value = getattr(bs.cell, fused).weight.value
+        for k, gate in enumerate(gates):
+            target: brainstate.ParamState[Any] = getattr(et.cell, gate).weight
+            target.value = {key: _pieces(v, len(gates))[k] for key, v in value.items()}
+    et.out.weight.value = dict(bs.out.weight.value)
+    return bs, et
+
+
+def _to_etrax_layout(name: str, grads: Any) -> dict[tuple[str, ...], Any]:
+    """brainstate-cell gradients cut into the etrax cell's per-gate parameters."""
+    layout = CELLS[name][2]
+    out: dict[tuple[str, ...], Any] = {("out", "weight"): grads[("out", "weight")]}
+    for fused, gates in layout.items():
+        value = grads[("cell", fused, "weight")]
+        for k, gate in enumerate(gates):
+            out[("cell", gate, "weight")] = {
+                key: _pieces(v, len(gates))[k] for key, v in value.items()
+            }
+    return out
+
+
+@functools.cache
+def _cell_graphs(name: str, batch: int | None) -> tuple[Net, etrax.ETraceGraph, etrax.ETraceGraph]:
+    bs, et = _pair(name, batch)
+    x = jnp.zeros((3,) if batch is None else (batch, 3))
+    _etp_free(bs, x)
+    return bs, etrax.compile_etrace_graph(bs, x), etrax.compile_etrace_graph(et, x)
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batched"])
+@pytest.mark.parametrize("name", list(CELLS))
+def test_brainstate_cell_trains_like_its_etrax_counterpart(name: str, batch: int | None) -> None:
+    bs, g_bs, g_et = _cell_graphs(name, batch)
+    # same groups
+    assert [(gr.varshape, gr.num_state, len(gr.hidden_paths)) for gr in g_bs.hidden_groups] == [
+        (gr.varshape, gr.num_state, len(gr.hidden_paths)) for gr in g_et.hidden_groups
+    ]
+    # every weight traced, recognised automatically
+    recognised = g_bs.explain(kind=K.WEIGHT_OP_RECOGNISED)
+    assert recognised and all(r.level is etrax.DiagnosticLevel.INFO for r in recognised)
+    assert not g_bs.explain(kind=K.WEIGHT_PLAIN_USE)
+    x_shape = (3,) if batch is None else (batch, 3)
+    y_shape = (2,) if batch is None else (batch, 2)
+    xs, ys = _sequence(x_shape, y_shape, T)
+    algo: etrax.OnlineAlgorithm
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9)):
+        got = _to_etrax_layout(name, _online(g_bs, algo, xs, ys))
+        want = _online(g_et, algo, xs, ys)
+        _close(dict(got), dict(want))
+    # T = 1: every online rule equals BPTT through brainstate's own update
+    state = etrax.state_of(g_bs)
+    exact = bptt_grads(bs, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(g_bs, algo, xs[:1], ys[:1])), exact)
+
+
+def test_recognition_can_be_turned_off() -> None:
+    bs, g_bs, _ = _cell_graphs("GRUCell", None)
+    off = etrax.compile_etrace_graph(
+        bs, jnp.zeros(3), policy=etrax.CompilePolicy(recognise_weight_ops=False)
+    )
+    assert off.hidden_param_op_relations == ()
+    assert not off.explain(kind=K.WEIGHT_OP_RECOGNISED)
+    assert {r.weight_path for r in off.explain(kind=K.WEIGHT_PLAIN_USE)} >= {
+        ("cell", "Wrz", "weight"),
+        ("cell", "Wh", "weight"),
+    }
+    text = str(g_bs.report())
+    assert "recognised automatically" in text
+
+
+# ----- weight transforms, conv --------------------------------------------------------
+
+
+class Leaky(brainstate.nn.Module):
+    """``h ← 0.7 h + layer(x)`` with any brainstate layer, then a readout."""
+
+    def __init__(self, layer: brainstate.nn.Module, n: int, n_out: int = 2) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n = n
+        self.out = brainstate.nn.Linear(n, n_out)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
+        self.h = brainstate.HiddenState(jnp.zeros(shape))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.7 * self.h.value + jnp.tanh(self.layer(x))
+        self.h.value = h
+        y: Array = self.out(h)
+        return y
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: brainstate.nn.Linear(3, 4),
+        lambda: brainstate.nn.SignedWLinear(3, 4),
+        lambda: brainstate.nn.ScaledWSLinear(3, 4),
+    ],
+    ids=["Linear", "SignedWLinear", "ScaledWSLinear"],
+)
+def test_linear_layers_with_weight_transforms_are_traced(make: Callable[[], Any]) -> None:
+    model = Leaky(make(), 4)
+    brainstate.nn.init_all_states(model, batch_size=2)
+    x = jnp.zeros((2, 3))
+    _etp_free(model, x)
+    graph = etrax.compile_etrace_graph(model, x)
+    rules = graph.weight_rules()
+    layer_paths = [p for p in rules if p[0] == "layer"]
+    assert layer_paths and all(rules[p].rule is etrax.WeightRule.TRACED for p in layer_paths)
+    xs, ys = _sequence((2, 3), (2, 2), 1)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs, ys, sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs, ys)), exact)
+
+
+class ConvLIF(brainstate.nn.Module):
+    """``brainstate.nn.Conv2d`` → LIF neurons → a linear readout of the spikes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = brainstate.nn.Conv2d((5, 5, 1), 2, kernel_size=3)
+        self.lif = etrax.nn.LIF((5, 5, 2), tau=5.0, v_th=0.5)
+        self.out = brainstate.nn.Linear(50, 3)
+
+    def update(self, x: ArrayLike) -> Array:
+        s = self.lif(self.conv(x))
+        y: Array = self.out(s.reshape(s.shape[0], -1))
+        return y
+
+
+def test_conv_lif_readout_trains_without_etrax_ops() -> None:
+    model = ConvLIF()
+    brainstate.nn.init_all_states(model, batch_size=2)
+    x = jnp.zeros((2, 5, 5, 1))
+    _etp_free(model, x)
+    graph = etrax.compile_etrace_graph(model, x)
+    rules = graph.weight_rules()
+    assert rules[("conv", "weight")].rule is etrax.WeightRule.TRACED
+    assert any("etrax.conv" in r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED))
+    xs, ys = _sequence((2, 5, 5, 1), (2, 3), T, seed=3)
+    xs = 2.0 * jnp.abs(xs)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    _close(dict(_online(graph, etrax.DRTRL(), xs[:1], ys[:1])), exact)
+    # the conv weight feeds the LIF element-wise: D-RTRL is exact over the sequence
+    full = bptt_grads(model, state, xs, ys, sq)
+    got = _online(graph, etrax.DRTRL(), xs, ys)
+    _close(got[("conv", "weight")], full[("conv", "weight")], 1e-8)
+
+
+# ----- fused gates ----------------------------------------------------------------------
+
+
+def _param(key: int, shape: tuple[int, ...], scale: float = 0.5) -> "brainstate.ParamState[Array]":
+    return brainstate.ParamState(scale * jax.random.normal(jax.random.PRNGKey(key), shape))
+
+
+class FusedGRU(brainstate.nn.Module):
+    """A GRU written the usual way: ``x @ Wx + b`` and ``h @ Wh`` each cut in three."""
+
+    def __init__(self, n_in: int, n: int, fused: bool = True) -> None:
+        super().__init__()
+        self.n, self.fused = n, fused
+        self.wx = _param(1, (n_in, 3 * n))
+        self.wh = _param(2, (n, 3 * n))
+        self.b = _param(3, (3 * n,))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def _gates(self, x: Array, h: Array) -> tuple[list[Array], list[Array]]:
+        if self.fused:
+            gx = jnp.split(x @ self.wx.value + self.b.value, 3, axis=-1)
+            gh = jnp.split(h @ self.wh.value, 3, axis=-1)
+            return gx, gh
+        n = self.n
+        wx, wh, b = self.wx.value, self.wh.value, self.b.value
+        gx = [x @ wx[:, k * n : (k + 1) * n] + b[k * n : (k + 1) * n] for k in range(3)]
+        gh = [h @ wh[:, k * n : (k + 1) * n] for k in range(3)]
+        return gx, gh
+
+    def update(self, x: ArrayLike) -> Array:
+        h = self.h.value
+        (xr, xz, xn), (hr, hz, hn) = self._gates(jnp.asarray(x), h)
+        r = jax.nn.sigmoid(xr + hr)
+        z = jax.nn.sigmoid(xz + hz)
+        cand = jnp.tanh(xn + r * hn)
+        new = (1.0 - z) * cand + z * h
+        self.h.value = new
+        return new
+
+
+class FusedLSTM(brainstate.nn.Module):
+    """An LSTM with one matmul on ``[x; h]`` for all four gates, then a split."""
+
+    def __init__(self, n_in: int, n: int, fused: bool = True) -> None:
+        super().__init__()
+        self.n, self.fused = n, fused
+        self.w = _param(4, (n_in + n, 4 * n))
+        self.b = _param(5, (4 * n,))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(self.n))
+        self.c = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def update(self, x: ArrayLike) -> Array:
+        xh = jnp.concatenate([jnp.asarray(x), self.h.value], axis=-1)
+        n = self.n
+        if self.fused:
+            i, g, f, o = jnp.split(xh @ self.w.value + self.b.value, 4, axis=-1)
+        else:
+            w, b = self.w.value, self.b.value
+            i, g, f, o = (xh @ w[:, k * n : (k + 1) * n] + b[k * n : (k + 1) * n] for k in range(4))
+        c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        self.c.value = c
+        self.h.value = h
+        return h
+
+
+@pytest.mark.parametrize("cls", [FusedGRU, FusedLSTM], ids=["GRU", "LSTM"])
+def test_fused_gates_are_traced_part_by_part(cls: type[brainstate.nn.Module]) -> None:
+    fused, split = cls(3, 4), cls(3, 4, fused=False)  # type: ignore[arg-type, call-arg]
+    brainstate.nn.init_all_states(fused)
+    brainstate.nn.init_all_states(split)
+    x = jnp.zeros(3)
+    graph = etrax.compile_etrace_graph(fused, x)
+    assert not graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
+    assert any("fused gates" in r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED))
+    # every part reaches a hidden state element-wise: every use is traced
+    for path, status in graph.weight_rules().items():
+        assert status.rule is etrax.WeightRule.TRACED, (path, status)
+    n_parts = 6 if cls is FusedGRU else 4
+    assert len(graph.hidden_param_op_relations) == n_parts
+    xs, ys = _sequence((3,), (4,), 8, seed=5)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(fused, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact)
+    # over 8 steps the fused model learns exactly like the gate-by-gate one
+    g_split = etrax.compile_etrace_graph(split, x)
+    _close(
+        dict(_online(graph, etrax.DRTRL(), xs, ys)), dict(_online(g_split, etrax.DRTRL(), xs, ys))
+    )
+
+
+# ----- control flow -------------------------------------------------------------------
+
+
+class SubSteppedLIF(brainstate.nn.Module):
+    """A leaky neuron integrated with `steps` Euler sub-steps inside ``update``."""
+
+    def __init__(self, n_in: int, n: int, steps: int, use_scan: bool) -> None:
+        super().__init__()
+        self.n, self.steps, self.use_scan = n, steps, use_scan
+        self.w = _param(6, (n_in, n))
+        self.readout = _param(7, (n, 2))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.v = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def update(self, x: ArrayLike) -> Array:
+        i = jnp.asarray(x) @ self.w.value
+        dt = 1.0 / self.steps
+
+        def euler(v: Array) -> Array:
+            return v + dt * 0.5 * (-v + jnp.tanh(i + v))
+
+        if self.use_scan:
+            v, _ = jax.lax.scan(lambda v, _: (euler(v), None), self.v.value, None, self.steps)
+        else:
+            v = jax.lax.fori_loop(0, self.steps, lambda k, v: euler(v), self.v.value)
+        self.v.value = v
+        y: Array = v @ self.readout.value
+        return y
+
+
+@pytest.mark.parametrize(("steps", "use_scan"), [(4, False), (40, True)], ids=["fori4", "scan40"])
+def test_sub_stepped_neuron_is_diagonal_and_exact(steps: int, use_scan: bool) -> None:
+    model = SubSteppedLIF(3, 4, steps, use_scan)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert not graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
+    assert all(g.is_diagonal_recurrence for g in graph.hidden_groups)
+    # a loop within CompilePolicy.unroll_limit (16) is unrolled; a longer one stays whole
+    # and its element-wise body is recognised as diagonal through the scan position rule
+    kept = [e for e in graph.module_info.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(kept) == (1 if steps > 16 else 0)
+    xs, ys = _sequence((3,), (2,), 8, seed=6)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs, ys, sq)
+    _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), exact, 1e-9)
+
+
+class Branchy(brainstate.nn.Module):
+    """An etrax op inside ``lax.cond`` (or the same as ``jnp.where``)."""
+
+    def __init__(self, use_cond: bool) -> None:
+        super().__init__()
+        self.use_cond = use_cond
+        self.fc = etrax.nn.Linear(3, 4)
+        self.fc.weight.value = jax.tree.map(lambda a: a + 0.3, self.fc.weight.value)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        if self.use_cond:
+            d: Array = jax.lax.cond(x[0] > 0, lambda v: self.fc(v), lambda v: -self.fc(v), x)
+        else:
+            d = jnp.where(x[0] > 0, self.fc(x), -self.fc(x))
+        h = 0.6 * self.h.value + jnp.tanh(d)
+        self.h.value = h
+        return h
+
+
+def test_etp_op_inside_cond_equals_the_where_form() -> None:
+    with_cond, with_where = Branchy(True), Branchy(False)
+    with_where.fc.weight.value = dict(with_cond.fc.weight.value)
+    grads = []
+    xs, ys = _sequence((3,), (4,), T, seed=7)
+    for model in (with_cond, with_where):
+        brainstate.nn.init_all_states(model)
+        graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+        grads.append(dict(_online(graph, etrax.DRTRL(), xs, ys)))
+    _close(grads[0], grads[1])
+
+
+class WeightInWhile(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(8, (4, 4))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        def body(c: tuple[int, Array]) -> tuple[int, Array]:
+            return c[0] + 1, jnp.tanh(c[1] @ self.w.value)
+
+        _, h = jax.lax.while_loop(lambda c: c[0] < 3, body, (0, self.h.value + jnp.asarray(x)))
+        self.h.value = h
+        return h
+
+
+def test_weight_inside_while_loop_is_a_typed_error() -> None:
+    model = WeightInWhile()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.NotSupportedError, match=r"\('w',\).*while_loop") as info:
+        etrax.compile_etrace_graph(model, jnp.zeros(4))
+    assert info.value.records[-1].kind is K.PRIMITIVE_INSIDE_CONTROL_FLOW
+
+
+class Nested(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(9, (3, 3))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(3))
+
+    def update(self, x: ArrayLike) -> Array:
+        def inner(k: Any, v: Array) -> Array:
+            return jnp.tanh(v @ self.w.value)
+
+        def outer(k: Any, v: Array) -> Array:
+            out: Array = jax.lax.fori_loop(0, 16, inner, v)
+            return out
+
+        h: Array = jax.lax.fori_loop(0, 16, outer, self.h.value + jnp.asarray(x))
+        self.h.value = h
+        return h
+
+
+def test_a_runaway_rewrite_is_a_typed_error() -> None:
+    model = Nested()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.RewriteLimitError, match="unroll_limit"):
+        etrax.compile_etrace_graph(
+            model, jnp.zeros(3), policy=etrax.CompilePolicy(max_equations=500)
+        )
+    with pytest.raises(ValueError, match="unroll_limit"):
+        etrax.CompilePolicy(unroll_limit=-1)
+
+
+# ----- units ---------------------------------------------------------------------------
+
+
+class UnitLIF(brainstate.nn.Module):
+    """Conductance-input leaky neurons written with brainunit quantities."""
+
+    def __init__(self, n_in: int, n: int, key: int) -> None:
+        super().__init__()
+        self.n = n
+        self.w = brainstate.ParamState(
+            0.8 * jax.random.normal(jax.random.PRNGKey(key), (n_in, n)) * u.nS
+        )
+        self.tau = 10.0 * u.ms
+        self.e_syn = 20.0 * u.mV
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.v = brainstate.HiddenState(jnp.zeros(self.n) * u.mV)
+
+    def update(self, x: ArrayLike) -> Array:
+        v = self.v.value
+        g = u.math.matmul(jnp.asarray(x), self.w.value)
+        dv = (-v + g * (self.e_syn - v) / (1.0 * u.nS)) / self.tau
+        v = v + 1.0 * u.ms * dv
+        self.v.value = v
+        spike: Array = etrax.nn.spike(v / (5.0 * u.mV) - 1.0)
+        return spike
+
+
+class TwoLayerUnits(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = UnitLIF(3, 5, 10)
+        self.l2 = UnitLIF(5, 4, 11)
+        self.readout = brainstate.nn.Linear(4, 2)
+
+    def update(self, x: ArrayLike) -> Array:
+        y: Array = self.readout(self.l2(self.l1(x)))
+        return y
+
+
+def test_a_model_with_units_trains_and_gradients_carry_units() -> None:
+    model = TwoLayerUnits()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    state = etrax.state_of(graph)
+    assert u.get_unit(state.hidden[("l1", "v")]) == u.mV
+    xs, ys = _sequence((3,), (2,), T, seed=8)
+    xs = 3.0 * jnp.abs(xs)
+    grads = _online(graph, etrax.DRTRL(), xs[:1], ys[:1])
+    for path in (("l1", "w"), ("l2", "w")):
+        assert u.get_unit(grads[path]) == u.nS, path
+    _close(dict(grads), bptt_grads(model, state, xs[:1], ys[:1], sq))
+    # the first layer's weight reaches only its own element-wise neurons: exact over T
+    full = bptt_grads(model, state, xs, ys, sq)
+    got = _online(graph, etrax.DRTRL(), xs, ys)
+    _close(got[("l2", "w")], full[("l2", "w")], 1e-9)
+    # and a training step keeps the units
+    new_w = state.params[("l1", "w")] - 0.1 * grads[("l1", "w")]
+    assert u.get_unit(new_w) == u.nS
+
+
+# ----- user position rules -------------------------------------------------------------
+
+
+def _make_softsign() -> Any:
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, mlir
+
+    prim = Primitive("test_softsign")
+    prim.def_impl(lambda x: x / (1 + jnp.abs(x)))  # type: ignore[no-untyped-call]
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))  # type: ignore[no-untyped-call]
+    mlir.register_lowering(prim, mlir.lower_fun(lambda x: x / (1 + jnp.abs(x)), False))
+    ad.defjvp(prim, lambda g, x: g / (1 + jnp.abs(x)) ** 2)  # type: ignore[no-untyped-call]
+    return prim
+
+
+SOFTSIGN = _make_softsign()
+
+
+class Softsign(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        h: Array = SOFTSIGN.bind(0.8 * self.h.value + self.fc(x))
+        self.h.value = h
+        return h
+
+
+def test_register_position_rule_makes_a_custom_primitive_diagonal() -> None:
+    model = Softsign()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    (rec,) = graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
+    assert "test_softsign" in rec.message and "register_position_rule" in rec.message
+    etrax.register_position_rule(SOFTSIGN, "elementwise")
+    try:
+        graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+        assert not graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
+        assert graph.hidden_groups[0].is_diagonal_recurrence
+        xs, ys = _sequence((3,), (4,), T, seed=9)
+        state = etrax.state_of(graph)
+        exact = bptt_grads(model, state, xs, ys, sq)
+        _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), exact, 1e-9)
+    finally:
+        etrax.register_position_rule(SOFTSIGN, "mixing")
+    with pytest.raises(TypeError, match="rule"):  # beartype on the public surface
+        etrax.register_position_rule(SOFTSIGN, "diagonal")  # type: ignore[arg-type]
+
+
+def test_hidden_state_kind_is_unchanged_by_normalisation() -> None:
+    _, g_bs, _ = _cell_graphs("LSTMCell", 2)
+    kinds = {s.path: s.kind for s in g_bs.module_info.states}
+    assert kinds[("cell", "h")] is StateKind.HIDDEN and kinds[("cell", "c")] is StateKind.HIDDEN
