@@ -57,7 +57,9 @@ class GeneratedCase:
     - `description`: the model's structure and sizes, for assertion messages.
     - `batched`: whether states and inputs carry a leading batch axis.
     - `tags`: the special structures the model contains (names from `FAMILIES`,
-      plus ``plain_weight`` and ``multi_input`` where present).
+      plus ``plain_weight``, ``multi_input``, ``plain_brainstate`` (a brainstate
+      cell with no etrax op) and ``fused_gates`` (gates cut from one plain matmul)
+      where present).
     """
 
     seed: int
@@ -500,6 +502,10 @@ class Cell(Layer):
             self.n_out = n_in
         elif kind == "LeakyRateReadout":
             cell = etrax.nn.LeakyRateReadout(n_in, n, w_init=w)
+        elif kind.startswith("bs."):  # a plain brainstate cell: no etrax op at all
+            cell = getattr(brainstate.nn, kind[3:])(n_in, n)
+            for st in cell.states(brainstate.ParamState).values():
+                st.value = jax.tree.map(lambda a: _param(rng, tuple(a.shape)), st.value)
         else:
             raise ValueError(f"unknown cell kind {kind!r}")
         self.cell = cell
@@ -507,6 +513,62 @@ class Cell(Layer):
     def update(self, x: ArrayLike) -> Array:
         out: Array = self.cell(x)
         return out
+
+
+class FusedGates(Layer):
+    """Gates computed by one plain matmul and cut apart, as people write them.
+
+    Even variants: a GRU with ``x @ Wx + b`` and ``h @ Wh`` each split in three;
+    odd variants: an LSTM with one ``[x; h] @ W + b`` split in four (two states).
+    ``variant // 2`` picks how the product is spelled (``@``, ``jnp.einsum``,
+    ``jnp.dot`` with the weight stored transposed).
+    """
+
+    def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
+        super().__init__()
+        self.n = n
+        self.n_out = n
+        self.lstm = variant % 2 == 1
+        self.spelling = (variant // 2) % 3
+        k = 4 if self.lstm else 3
+        fan_in = n_in + n if self.lstm else n_in
+        shape = (k * n, fan_in) if self.spelling == 2 else (fan_in, k * n)
+        self.wx = brainstate.ParamState(_param(rng, shape))
+        self.wh = brainstate.ParamState(_param(rng, (n, 3 * n)))
+        self.b = brainstate.ParamState(_param(rng, (k * n,), 0.3))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(_zeros((self.n,), batch_size))
+        if self.lstm:
+            self.c = brainstate.HiddenState(_zeros((self.n,), batch_size))
+
+    def _product(self, x: Array) -> Array:
+        w = self.wx.value
+        if self.spelling == 1:
+            out: Array = jnp.einsum("...i,io->...o", x, w)
+        elif self.spelling == 2:
+            out = jnp.dot(x, w.T)
+        else:
+            out = x @ w
+        return out
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        h = self.h.value
+        if self.lstm:
+            xh = jnp.concatenate([x, h], axis=-1)
+            i, f, o, g = jnp.split(self._product(xh) + self.b.value, 4, axis=-1)
+            c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
+            new = jax.nn.sigmoid(o) * jnp.tanh(c)
+            self.c.value = c
+        else:
+            xr, xz, xn = jnp.split(self._product(x) + self.b.value, 3, axis=-1)
+            hr, hz, hn = jnp.split(h @ self.wh.value, 3, axis=-1)
+            r = jax.nn.sigmoid(xr + hr)
+            z = jax.nn.sigmoid(xz + hz)
+            new = (1.0 - z) * jnp.tanh(xn + r * hn) + z * h
+        self.h.value = new
+        return new
 
 
 class FeedForward(Layer):
@@ -533,6 +595,10 @@ CELLS = (
     "URLSTMCell",
     "LRUCell",
     "LeakyRateReadout",
+    "bs.GRUCell",
+    "bs.LSTMCell",
+    "bs.MGUCell",
+    "bs.ValinaRNNCell",
 )
 
 _Make = Callable[[int, int, np.random.Generator, int], Layer]
@@ -542,6 +608,7 @@ CUSTOM: dict[str, _Make] = {
     "LearnedDecay": LearnedDecay,
     "PlainWeights": PlainWeights,
     "Spiking": Spiking,
+    "FusedGates": FusedGates,
 }
 SPECIAL: dict[str, _Make] = {
     "shared_bias": SharedBias,
@@ -645,11 +712,15 @@ def generate(seed: int) -> GeneratedCase:
             if name in CELLS:
                 layer = Cell(name, width, n, rng)
                 label = name
+                if name.startswith("bs."):
+                    tags.add("plain_brainstate")
             else:
                 layer = CUSTOM[name](width, n, rng, variant)
                 label = f"{name}[v{variant}]"
                 if name == "PlainWeights":
                     tags.add("plain_weight")
+                if name == "FusedGates":
+                    tags.add("fused_gates")
         parts.append(f"{label}({width}→{layer.n_out})")
         layers.append(layer)
         width = layer.n_out

@@ -278,5 +278,8 @@ def test_generator_is_deterministic_and_varied() -> None:
     for family in FAMILIES:
         count = sum(family in c.tags for c in cases)
         assert count >= 0.1 * NUM_SEEDS, (family, count)
+    for tag, least in (("plain_brainstate", 0.15), ("fused_gates", 0.05)):
+        count = sum(tag in c.tags for c in cases)
+        assert count >= least * NUM_SEEDS, (tag, count)
     batched = sum(c.batched for c in cases)
     assert 0.3 * NUM_SEEDS <= batched <= 0.7 * NUM_SEEDS, batched

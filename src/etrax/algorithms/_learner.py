@@ -12,7 +12,7 @@ import brainstate
 
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
-from ..compiler import CompilationReport, ETraceGraph, compile_etrace_graph
+from ..compiler import CompilationReport, CompilePolicy, ETraceGraph, compile_etrace_graph
 from ..executor import ModelState, state_of, write_back
 from ._base import OnlineAlgorithm, check_relations
 from ._drivers import LossFn, bptt_grad, online_grad
@@ -162,6 +162,7 @@ def compile(
     algorithm: OnlineAlgorithm | str | type[OnlineAlgorithm],
     *example_inputs: Any,
     batch_size: int | None = None,
+    policy: CompilePolicy | None = None,
 ) -> OnlineLearner:
     """Initialise a model's states, compile its graph and return an `OnlineLearner`.
 
@@ -172,9 +173,11 @@ def compile(
       its class, or a name (``"d_rtrl"``, ``"pp_prop"``, ``"eprop"``).
     - `*example_inputs`: one step's inputs (batched if `batch_size` is given).
     - `batch_size`: batch size the model's states are created with.
+    - `policy`: the compiler's `CompilePolicy` (weight-op recognition, if-conversion,
+      loop unrolling); the default policy when `None`.
     """
     algo = _algorithm(algorithm)
     brainstate.nn.init_all_states(model, batch_size=batch_size)
-    graph = compile_etrace_graph(model, *example_inputs)
+    graph = compile_etrace_graph(model, *example_inputs, policy=policy)
     check_relations(graph, type(algo).__name__)
     return OnlineLearner(model, algo, graph, batch_size)
