@@ -352,7 +352,7 @@ class _Rewriter:
         self.names = names
         self.records = records
         self.budget = _Budget(policy.max_equations)
-        self.seen: set[int] = set()
+        self.seen: list[JaxprEqn] = []  # anchors already recorded (unrolled bodies repeat)
 
     # ----- the interpreter -----------------------------------------------------------
 
@@ -494,11 +494,10 @@ class _Rewriter:
         return outs
 
     def _note_recognised(self, jaxpr: Jaxpr, plan: _Fused, sources: Mapping[Var, _Sources]) -> None:
-        key = id(jaxpr.eqns[plan.anchor])
-        if key in self.seen:
-            return
-        self.seen.add(key)
         eqn = jaxpr.eqns[plan.anchor]
+        if any(e is eqn for e in self.seen):
+            return
+        self.seen.append(eqn)
         w_atom = eqn.invars[plan.weight_slot]
         paths = self._paths(
             sources.get(w_atom, frozenset()) if isinstance(w_atom, Var) else frozenset()
