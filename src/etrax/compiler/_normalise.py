@@ -336,7 +336,7 @@ class _Budget:
         if self.used > self.limit:
             raise RewriteLimitError(
                 f"Rewriting update() would produce more than {self.limit} equations "
-                f"(reached while unrolling the loop at {where}). Lower "
+                f"(reached in {where}). Lower "
                 "CompilePolicy.unroll_limit so that long loops stay whole, or raise "
                 "CompilePolicy.max_equations."
             )
@@ -363,13 +363,15 @@ class _Rewriter:
         args: Sequence[Any],
         in_kinds: Sequence[_Kind],
         in_sources: Sequence[_Sources],
+        where: str = "the top level",
     ) -> list[Any]:
+        """Evaluate `jaxpr` on `args`; `where` names the loop or branch it is a body of."""
         kinds, sources = _static_kinds(jaxpr, in_kinds, in_sources)
         plans = _plan(jaxpr, kinds) if self.policy.recognise_weight_ops else {}
         by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
         by_cut = {c: p for p in plans.values() for c in p.cuts}
         skipped = {i for p in plans.values() for i in p.absorbed} - set(by_emit)
-        self.budget.spend(len(jaxpr.eqns), "the top level")
+        self.budget.spend(len(jaxpr.eqns), where)
         env: dict[Var, Any] = {}
 
         def read(atom: Any) -> Any:
@@ -533,7 +535,8 @@ class _Rewriter:
         index, *ops = invals
         branches = eqn.params["branches"]
         with equation_context(eqn):
-            results = [self.run(b.jaxpr, b.consts, ops, ks[1:], ss[1:]) for b in branches]
+            where = equation_location(eqn)
+            results = [self.run(b.jaxpr, b.consts, ops, ks[1:], ss[1:], where) for b in branches]
             if len(branches) == 1:
                 return results[0]
             index = jnp.clip(index.astype(jnp.int32), 0, len(branches) - 1)
@@ -565,12 +568,11 @@ class _Rewriter:
                 x_t = [jax.lax.index_in_dim(x, t, keepdims=False) for x in xs]
                 outs = self.run(
                     body.jaxpr, body.consts, [*consts, *carry, *x_t],
-                    [*k_c, *k_carry, *k_x], [*s_c, *s_carry, *s_x],
+                    [*k_c, *k_carry, *k_x], [*s_c, *s_carry, *s_x], equation_location(eqn),
                 )  # fmt: skip
                 carry, ys_steps[t] = outs[:n_carry], outs[n_carry:]
                 joined = max([*k_c, *k_carry, *k_x], default=_Kind.CONST)
                 k_carry = [max(k, joined) for k in k_carry]
-                self.budget.spend(0, equation_location(eqn))
             n_ys = len(eqn.outvars) - n_carry
             ys = [jnp.stack([ys_steps[t][j] for t in range(length)]) for j in range(n_ys)]
         return [*carry, *ys]
