@@ -13,9 +13,15 @@ not failed; any other exception is a failure. Each test checks a chunk of seeds
 and lists every failing seed with its description.
 
 The tiny models run eagerly (`jax.disable_jit`): XLA-compiling each model's
-online step once per algorithm costs far more than running it op by op.
+online step once per algorithm costs far more than running it op by op. Run
+eagerly, every call of an etrax function is a real call, so the suite's runtime
+type checks (jaxtyping + beartype over the whole package) would run on every
+op-level call instead of once per trace; they are paused while a model is checked
+(`_unchecked`), which takes about a third off this file. Every other test keeps
+them at full strength.
 """
 
+import contextlib
 import enum
 import functools
 import traceback
@@ -25,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from jaxtyping import Array
@@ -194,11 +201,22 @@ def generated(seed: int) -> GeneratedCase:
         return generate(seed)
 
 
+@contextlib.contextmanager
+def _unchecked() -> Iterator[None]:
+    """Runtime type checks paused (see the module docstring), restored after."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
 @functools.cache
 def outcome(seed: int) -> Outcome:
     """The checked outcome of `seed`."""
     case = generated(seed)
-    with jax.disable_jit():
+    with jax.disable_jit(), _unchecked():
         try:
             return _run(case)
         except Exception as err:  # the oracle or the setup: still name the seed

@@ -623,3 +623,44 @@ def test_hidden_state_kind_is_unchanged_by_normalisation() -> None:
     _, g_bs, _ = _cell_graphs("LSTMCell", 2)
     kinds = {s.path: s.kind for s in g_bs.module_info.states}
     assert kinds[("cell", "h")] is StateKind.HIDDEN and kinds[("cell", "c")] is StateKind.HIDDEN
+
+
+class WhileDecay(brainstate.nn.Module):
+    """A weight-free ``while_loop`` in the transition (its predicate reads the counter,
+    or, with `state_predicate`, the hidden state itself)."""
+
+    def __init__(self, state_predicate: bool) -> None:
+        super().__init__()
+        self.state_predicate = state_predicate
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        def cond(c: tuple[Array, Array]) -> Array:
+            if self.state_predicate:
+                return jnp.logical_and(c[0] < 3, jnp.sum(c[1]) < 100.0)
+            return c[0] < 3
+
+        def body(c: tuple[Array, Array]) -> tuple[Array, Array]:
+            return c[0] + 1, 0.9 * c[1]
+
+        _, h = jax.lax.while_loop(cond, body, (jnp.asarray(0), self.h.value))
+        h = h + jnp.tanh(self.fc(x))
+        self.h.value = h
+        return h
+
+
+def test_while_loop_position_rule() -> None:
+    """A loop of run-time length is analysed through its body: element-wise stays
+    diagonal; a trip count that reads the hidden state mixes its positions."""
+    for state_predicate, diagonal in ((False, True), (True, False)):
+        model = WhileDecay(state_predicate)
+        brainstate.nn.init_all_states(model)
+        graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+        assert graph.hidden_groups[0].is_diagonal_recurrence is diagonal
+        mixing = graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
+        assert bool(mixing) is not diagonal
+        if mixing:
+            assert "trip count" in mixing[0].message

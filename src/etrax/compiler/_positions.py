@@ -576,17 +576,50 @@ def _scan(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[
     n_c, n_carry = int(p["num_consts"]), int(p["num_carry"])
     consts, carry = list(in_maps[:n_c]), list(in_maps[n_c : n_c + n_carry])
     xs = [_shift(m, -1, "scan runs along a position axis") for m in in_maps[n_c + n_carry :]]
-    outs: list[AlignMap] = []
-    for _ in range(n_carry + 2):
-        outs = recurse(p["jaxpr"], [*consts, *carry, *xs])
-        widened = [_elementwise([c, o], "scan") for c, o in zip(carry, outs[:n_carry], strict=True)]
-        if widened == carry:
-            break
-        carry = widened
-    else:
+    fixed = _widen_carry(p["jaxpr"], consts, carry, xs, recurse)
+    if fixed is None:
         return _unknown(eqn, in_maps)
+    carry, outs = fixed
     ys = [_shift(m, 1, "") for m in outs[n_carry:]]
     return [*carry, *ys]
+
+
+def _widen_carry(
+    body: ClosedJaxpr,
+    consts: list[AlignMap],
+    carry: list[AlignMap],
+    rest: list[AlignMap],
+    recurse: Recurse,
+) -> tuple[list[AlignMap], list[AlignMap]] | None:
+    """A loop body analysed with its carry alignments widened to a fixed point (the
+    carry at entry merged with what the body makes of it): ``(carry, body outputs)``,
+    or `None` when no fixed point is reached."""
+    n = len(carry)
+    for _ in range(n + 2):
+        outs = recurse(body, [*consts, *carry, *rest])
+        widened = [_elementwise([c, o], "loop") for c, o in zip(carry, outs[:n], strict=True)]
+        if widened == carry:
+            return carry, outs
+        carry = widened
+    return None
+
+
+@_register("while")
+def _while(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
+    """A loop of run-time length: the body's carry widened to a fixed point; when the
+    predicate reads a source, the trip count depends on every position of it."""
+    p = eqn.params
+    n_cc, n_bc = int(p["cond_nconsts"]), int(p["body_nconsts"])
+    cond_consts, body_consts = list(in_maps[:n_cc]), list(in_maps[n_cc : n_cc + n_bc])
+    fixed = _widen_carry(p["body_jaxpr"], body_consts, list(in_maps[n_cc + n_bc :]), [], recurse)
+    if fixed is None:
+        return _unknown(eqn, in_maps)
+    carry, _ = fixed
+    (pred,) = recurse(p["cond_jaxpr"], [*cond_consts, *carry])
+    return [
+        _mixed_by_index(dict(c), [pred], "while_loop's trip count depends on a source")
+        for c in carry
+    ]
 
 
 def _unknown(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> list[AlignMap]:
