@@ -664,3 +664,46 @@ def test_while_loop_position_rule() -> None:
         assert bool(mixing) is not diagonal
         if mixing:
             assert "trip count" in mixing[0].message
+
+
+class BiasAfterSum(brainstate.nn.Module):
+    """``h ← 0.6 h + tanh(x W [+ h U] + b)``: the bias is added to a sum of products,
+    so it cannot be folded into one op; it is traced as an element-wise op."""
+
+    def __init__(self, recurrent: bool) -> None:
+        super().__init__()
+        self.recurrent = recurrent
+        self.w = _param(10, (3, 4))
+        self.u = _param(11, (4, 4))
+        self.b = _param(12, (4,))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((2, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = self.h.value
+        pre = jnp.asarray(x) @ self.w.value
+        if self.recurrent:
+            pre = pre + h @ self.u.value
+        new = 0.6 * h + jnp.tanh(pre + self.b.value)
+        self.h.value = new
+        return new
+
+
+@pytest.mark.parametrize("recurrent", [False, True], ids=["feedforward", "recurrent"])
+def test_a_bias_added_after_a_sum_is_traced(recurrent: bool) -> None:
+    model = BiasAfterSum(recurrent)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((2, 3)))
+    assert graph.weight_rules()[("b",)].rule is etrax.WeightRule.TRACED
+    # folded into the one matmul when it follows it directly; else an element-wise op
+    folded = any("as its bias" in r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED))
+    alone = any("as a bias" in r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED))
+    assert (folded, alone) == (not recurrent, recurrent)
+    xs, ys = _sequence((2, 3), (2, 4), T, seed=11)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact)
+    if not recurrent:  # element-wise recurrence, input weights: D-RTRL is exact over T
+        _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), bptt_grads(model, state, xs, ys, sq))

@@ -115,9 +115,12 @@ def _static_kinds(
     for v, k, s in zip(jaxpr.invars, in_kinds, in_sources, strict=True):
         kinds[v] = k
         sources[v] = s
+    from ..ops import is_etp_primitive
+
     for eqn in jaxpr.eqns:
         ks = [_read_kind(kinds, a) for a in eqn.invars]
-        k = max(ks, default=_Kind.CONST)
+        # an ETP op's output is already a traced quantity, never a weight value
+        k = _Kind.DATA if is_etp_primitive(eqn.primitive) else max(ks, default=_Kind.CONST)
         src: _Sources = frozenset().union(
             *(sources.get(a, frozenset()) for a in eqn.invars if isinstance(a, Var))
         )
@@ -296,6 +299,30 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
     return plans
 
 
+def _plan_biases(
+    jaxpr: Jaxpr, kinds: Mapping[Var, _Kind], plans: Mapping[int, _Fused]
+) -> dict[int, int]:
+    """``add`` / ``sub`` equations that add a weight-valued bias along the last axis
+    to data (e.g. ``x @ W + h @ U + b``), not already folded into an op: equation
+    index → the bias operand's position."""
+    producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    absorbed = {i for p in plans.values() for i in p.absorbed}
+    found: dict[int, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name not in ("add", "sub") or i in absorbed:
+            continue
+        k = [_read_kind(kinds, a) for a in eqn.invars]
+        if sorted(k) != [_Kind.WEIGHT, _Kind.DATA]:
+            continue
+        slot = k.index(_Kind.WEIGHT)
+        out_shape = tuple(aval_of(eqn.outvars[0]).shape)
+        if len(out_shape) == 0 or out_shape[-1] < 2:
+            continue
+        if _bias_source(jaxpr, producers, eqn.invars[slot], out_shape[-1], len(out_shape)):
+            found[i] = slot
+    return found
+
+
 def _plan_cuts(jaxpr: Jaxpr, uses: _Uses, fused: _Fused, out: Var, features: int) -> None:
     """Follow element-wise functions of the op's output to splits along its features."""
     chain: list[int] = []
@@ -368,6 +395,7 @@ class _Rewriter:
         """Evaluate `jaxpr` on `args`; `where` names the loop or branch it is a body of."""
         kinds, sources = _static_kinds(jaxpr, in_kinds, in_sources)
         plans = _plan(jaxpr, kinds) if self.policy.recognise_weight_ops else {}
+        biases = _plan_biases(jaxpr, kinds, plans) if self.policy.recognise_weight_ops else {}
         by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
         by_cut = {c: p for p in plans.values() for c in p.cuts}
         skipped = {i for p in plans.values() for i in p.absorbed} - set(by_emit)
@@ -394,6 +422,9 @@ class _Rewriter:
                 write(eqn.outvars, [self._emit(jaxpr, plan, read, sources)])
                 continue
             if i in skipped:
+                continue
+            if i in biases:
+                write(eqn.outvars, self._bias_add(jaxpr, eqn, biases[i], read, sources))
                 continue
             write(eqn.outvars, self._equation(eqn, read, kinds, sources))
         return [read(a) for a in jaxpr.outvars]
@@ -523,6 +554,39 @@ class _Rewriter:
                 parts=len(plan.cuts),
             )
         )
+
+    def _bias_add(
+        self,
+        jaxpr: Jaxpr,
+        eqn: JaxprEqn,
+        slot: int,
+        read: Any,
+        sources: Mapping[Var, _Sources],
+    ) -> list[Any]:
+        """``data ± b`` with the bias read through `etrax.element_wise`, so its effect
+        on hidden states is traced like any ETP op's."""
+        from ..ops import element_wise
+
+        atom = eqn.invars[slot]
+        assert isinstance(atom, Var)  # `_bias_source` accepts variables only
+        paths = self._paths(sources.get(atom, frozenset()))
+        self.records.append(
+            record(
+                DiagnosticKind.WEIGHT_OP_RECOGNISED,
+                DiagnosticLevel.INFO,
+                f"{eqn.primitive.name} at {equation_location(eqn)} adds {list(paths)} as a bias; "
+                "recognised as etrax.element_wise.",
+                primitive=str(eqn.primitive.name),
+                weight_path=paths[0] if paths else None,
+            )
+        )
+        with equation_context(eqn):
+            bias = element_wise(_bias_value(jaxpr, atom, read))
+            shape = tuple(aval_of(atom).shape)
+            value = jnp.broadcast_to(bias, shape) if shape != tuple(bias.shape) else bias
+            invals = [read(a) for a in eqn.invars]
+            invals[slot] = value.astype(aval_of(atom).dtype)
+            return bind_equation(eqn, invals)
 
     def _paths(self, srcs: _Sources) -> tuple[Path, ...]:
         return tuple(dict.fromkeys(self.names[i] for i in sorted(srcs) if i in self.names))
@@ -696,4 +760,7 @@ def _needs_rewrite(
             return True
         if name == "scan" and any(_read_kind(kinds, a) is _Kind.WEIGHT for a in eqn.invars):
             return True
-    return policy.recognise_weight_ops and bool(_plan(jaxpr, kinds))
+    if not policy.recognise_weight_ops:
+        return False
+    plans = _plan(jaxpr, kinds)
+    return bool(plans) or bool(_plan_biases(jaxpr, kinds, plans))
