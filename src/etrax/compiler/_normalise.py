@@ -379,7 +379,7 @@ class _Rewriter:
         self.names = names
         self.records = records
         self.budget = _Budget(policy.max_equations)
-        self.seen: list[JaxprEqn] = []  # anchors already recorded (unrolled bodies repeat)
+        self.seen: list[JaxprEqn] = []  # equations already recorded (unrolled bodies repeat)
 
     # ----- the interpreter -----------------------------------------------------------
 
@@ -570,6 +570,18 @@ class _Rewriter:
         atom = eqn.invars[slot]
         assert isinstance(atom, Var)  # `_bias_source` accepts variables only
         paths = self._paths(sources.get(atom, frozenset()))
+        if not any(e is eqn for e in self.seen):
+            self.seen.append(eqn)
+            self._note_bias(eqn, paths)
+        with equation_context(eqn):
+            bias = element_wise(_bias_value(jaxpr, atom, read))
+            shape = tuple(aval_of(atom).shape)
+            value = jnp.broadcast_to(bias, shape) if shape != tuple(bias.shape) else bias
+            invals = [read(a) for a in eqn.invars]
+            invals[slot] = value.astype(aval_of(atom).dtype)
+            return bind_equation(eqn, invals)
+
+    def _note_bias(self, eqn: JaxprEqn, paths: tuple[Path, ...]) -> None:
         self.records.append(
             record(
                 DiagnosticKind.WEIGHT_OP_RECOGNISED,
@@ -580,13 +592,6 @@ class _Rewriter:
                 weight_path=paths[0] if paths else None,
             )
         )
-        with equation_context(eqn):
-            bias = element_wise(_bias_value(jaxpr, atom, read))
-            shape = tuple(aval_of(atom).shape)
-            value = jnp.broadcast_to(bias, shape) if shape != tuple(bias.shape) else bias
-            invals = [read(a) for a in eqn.invars]
-            invals[slot] = value.astype(aval_of(atom).dtype)
-            return bind_equation(eqn, invals)
 
     def _paths(self, srcs: _Sources) -> tuple[Path, ...]:
         return tuple(dict.fromkeys(self.names[i] for i in sorted(srcs) if i in self.names))
