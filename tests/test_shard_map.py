@@ -2,9 +2,11 @@
 
 from typing import Any
 
+import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 import etrax
@@ -23,11 +25,11 @@ def test_two_devices_available() -> None:
     assert len(jax.devices()) >= 2, "conftest must set --xla_force_host_platform_device_count=2"
 
 
-def _setup() -> tuple[
-    etrax.ETraceGraph, etrax.ETraceGraph, etrax.ModelState, etrax.ModelState, Any
-]:
-    local, _ = build(etrax.nn.GRUCell, 3, 4, batch=2)
-    full, _ = build(etrax.nn.GRUCell, 3, 4, batch=4)
+def _setup(
+    cls: Any = etrax.nn.GRUCell,
+) -> tuple[etrax.ETraceGraph, etrax.ETraceGraph, etrax.ModelState, etrax.ModelState, Any]:
+    local, _ = build(cls, 3, 4, batch=2)
+    full, _ = build(cls, 3, 4, batch=4)
     g_local = etrax.compile_etrace_graph(local, jnp.ones((2, 3)))
     g_full = etrax.compile_etrace_graph(full, jnp.ones((4, 3)))
     s_local = etrax.state_of(g_local)
@@ -38,8 +40,13 @@ def _setup() -> tuple[
     return g_local, g_full, s_local, s_full, xs
 
 
-def test_shard_map_equals_single_device() -> None:
-    g_local, g_full, _s_local, s_full, xs = _setup()
+@pytest.mark.parametrize(
+    "cls",
+    [etrax.nn.GRUCell, brainstate.nn.GRUCell],  # the second has no etrax op (recognised)
+    ids=["etrax_gru", "brainstate_gru"],
+)
+def test_shard_map_equals_single_device(cls: Any) -> None:
+    g_local, g_full, _s_local, s_full, xs = _setup(cls)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
 
     def shard(params: Any, h: Any, x: Any) -> Any:

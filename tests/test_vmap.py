@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +18,13 @@ B = 3
 
 @pytest.mark.parametrize(
     ("cls", "args"),
-    [(etrax.nn.GRUCell, (3, 4)), (TwoStateNeuron, (3, 4)), (LeakyTanh, (3, 4))],
-    ids=["gru", "two_state", "leaky_tanh"],
+    [
+        (etrax.nn.GRUCell, (3, 4)),
+        (brainstate.nn.GRUCell, (3, 4)),  # no etrax op: its matmuls are recognised
+        (TwoStateNeuron, (3, 4)),
+        (LeakyTanh, (3, 4)),
+    ],
+    ids=["gru", "brainstate_gru", "two_state", "leaky_tanh"],
 )
 def test_vmap_step_equals_batched_model(cls: Any, args: tuple[int, int]) -> None:
     single, x1 = build(cls, *args)
