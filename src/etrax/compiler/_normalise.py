@@ -526,11 +526,18 @@ class _Rewriter:
             outs.append(y)
         return outs
 
+    def _first_time(self, eqn: JaxprEqn) -> bool:
+        """Whether `eqn` is met for the first time (an unrolled body repeats its
+        equations; each is recorded once)."""
+        if any(e is eqn for e in self.seen):
+            return False
+        self.seen.append(eqn)
+        return True
+
     def _note_recognised(self, jaxpr: Jaxpr, plan: _Fused, sources: Mapping[Var, _Sources]) -> None:
         eqn = jaxpr.eqns[plan.anchor]
-        if any(e is eqn for e in self.seen):
+        if not self._first_time(eqn):
             return
-        self.seen.append(eqn)
         w_atom = eqn.invars[plan.weight_slot]
         paths = self._paths(
             sources.get(w_atom, frozenset()) if isinstance(w_atom, Var) else frozenset()
@@ -540,7 +547,8 @@ class _Rewriter:
         if plan.bias_eqn is not None:
             extras.append("with the following add as its bias")
         if plan.cuts:
-            n = sum(len(_cut_parts(jaxpr.eqns[c], 0) or []) for c in plan.cuts)
+            features = int(aval_of(eqn.outvars[0]).shape[-1])
+            n = sum(len(_cut_parts(jaxpr.eqns[c], features) or []) for c in plan.cuts)
             extras.append(f"cut into {n} parts along its features (fused gates), one op each")
         extra = f" ({'; '.join(extras)})" if extras else ""
         self.records.append(
@@ -570,8 +578,7 @@ class _Rewriter:
         atom = eqn.invars[slot]
         assert isinstance(atom, Var)  # `_bias_source` accepts variables only
         paths = self._paths(sources.get(atom, frozenset()))
-        if not any(e is eqn for e in self.seen):
-            self.seen.append(eqn)
+        if self._first_time(eqn):
             self._note_bias(eqn, paths)
         with equation_context(eqn):
             bias = element_wise(_bias_value(jaxpr, atom, read))
