@@ -196,9 +196,9 @@ def _run(case: GeneratedCase) -> Outcome:
 
 @functools.cache
 def generated(seed: int) -> GeneratedCase:
-    """The model of `seed` (cached: the tests below share it)."""
-    with jax.disable_jit():
-        return generate(seed)
+    """The model of `seed` (cached: the tests below share it). Built with jit on:
+    brainstate's initialisers then reuse their compiled programs across models."""
+    return generate(seed)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ Both compute exactly the same recursion
 and gradient ``Σ_a solve(L_t[..., a], ε_t[..., a])``.
 """
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -99,14 +100,15 @@ def _weigh(A: Array, e: Array, has_input: bool) -> Array:
     of a large array are an order of magnitude slower than this loop, which reads
     the trace once.
     """
-
-    def add(n: Any, acc: Array) -> Array:
-        a = A[n][None] if has_input else A[n]
-        return acc + jnp.sum(a * e[n], axis=-1)
-
     init = jnp.zeros(e.shape[1:-1], jnp.result_type(A, e))
+    add = functools.partial(_weigh_slice, A, e, has_input)
     total: Array = jax.lax.fori_loop(0, e.shape[0], add, vary_tree(init, A, e))
     return total
+
+
+def _weigh_slice(A: Array, e: Array, has_input: bool, n: Any, acc: Array) -> Array:
+    a = A[n][None] if has_input else A[n]
+    return acc + jnp.sum(a * e[n], axis=-1)
 
 
 # --- per-step ----------------------------------------------------------------------------

@@ -12,7 +12,8 @@ Transitions, tails, the perturbation and group membership all use this single
 boundary notion, so they agree by construction.
 """
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 from .._compat import JaxprEqn, Var, aval_of
@@ -64,25 +65,23 @@ class StepAnalysis:
     y_sources: dict[int, int]
     cuts: frozenset[Var] = frozenset()
 
-    def derived_from(self, var: object, sources: set[int]) -> bool:
+    def derived_from(self, var: object, sources: Set[int]) -> bool:
         m = self.maps.get(var, {}) if isinstance(var, Var) and var not in self.cuts else {}
         return any(s in sources for s in m)
 
-    def equation_derives(self, index: int, sources: set[int]) -> bool:
+    def equation_derives(self, index: int, sources: Set[int]) -> bool:
         eqn = self.table.jaxpr.eqns[index]
         return any(self.derived_from(v, sources) for v in eqn.invars)
 
     def slice_filter(self, sources: set[int]) -> Callable[[int], bool]:
         """The equations a transition or tail from `sources` keeps: not boundaries,
         derived from the sources, and not producing a cut variable."""
-        jaxpr = self.table.jaxpr
+        return functools.partial(self._keeps, frozenset(sources))
 
-        def keep(i: int) -> bool:
-            if i in self.boundaries or not self.equation_derives(i, sources):
-                return False
-            return not any(v in self.cuts for v in jaxpr.eqns[i].outvars)
-
-        return keep
+    def _keeps(self, sources: frozenset[int], i: int) -> bool:
+        if i in self.boundaries or not self.equation_derives(i, sources):
+            return False
+        return not any(v in self.cuts for v in self.table.jaxpr.eqns[i].outvars)
 
 
 def analyse_step(minfo: ModuleInfo, cuts: frozenset[Var] = frozenset()) -> StepAnalysis:

@@ -151,34 +151,31 @@ class VarTable:
 def eval_equations(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluate a jaxpr (a thin, explicit version of `jax.core.eval_jaxpr`)."""
     env: dict[Var, Any] = {}
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, Literal) else env[atom]
-
     for v, val in zip(jaxpr.constvars, consts, strict=True):
         env[v] = val
     for v, val in zip(jaxpr.invars, args, strict=True):
         env[v] = val
     for eqn in jaxpr.eqns:
-        outs = bind_equation(eqn, [read(a) for a in eqn.invars])
+        outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
         for v, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, DropVar):
                 env[v] = val
-    return [read(a) for a in jaxpr.outvars]
+    return [_read(env, a) for a in jaxpr.outvars]
+
+
+def _read(env: dict[Var, Any], atom: Any) -> Any:
+    """The value of a Var in `env`, or a Literal's own value."""
+    return atom.val if isinstance(atom, Literal) else env[atom]
 
 
 def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Var, Any] = {}
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, Literal) else env[atom]
-
     for v, val in zip(jaxpr.constvars, consts, strict=True):
         env[v] = val
     for v, val in zip(jaxpr.invars, args, strict=True):
         env[v] = val
     for eqn in jaxpr.eqns:
-        invals = [read(a) for a in eqn.invars]
+        invals = [_read(env, a) for a in eqn.invars]
         body = call_body(eqn)
         if body is not None:
             outs = _eval_inlining(body.jaxpr, body.consts, invals)
@@ -187,7 +184,7 @@ def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> 
         for v, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, DropVar):
                 env[v] = val
-    return [read(a) for a in jaxpr.outvars]
+    return [_read(env, a) for a in jaxpr.outvars]
 
 
 def _has_calls(jaxpr: Jaxpr) -> bool:
@@ -246,17 +243,10 @@ def slice_program(
     produced = {v for e in eqns for v in e.outvars if not isinstance(v, DropVar)}
     const_inputs: list[Var] = []
     seen: set[Var] = set()
-
-    def note(v: Any) -> None:
+    for v in (*(a for e in eqns for a in e.invars), *outputs):
         if isinstance(v, Var) and v not in produced and v not in input_set and v not in seen:
             seen.add(v)
             const_inputs.append(v)
-
-    for e in eqns:
-        for v in e.invars:
-            note(v)
-    for v in outputs:
-        note(v)
     invars = [*const_inputs, *inputs]
     effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
     sub = replace_jaxpr(
