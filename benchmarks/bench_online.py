@@ -42,7 +42,7 @@ def _forward_scan(graph: etrax.ETraceGraph, state: etrax.ModelState, xs: jax.Arr
     return acc
 
 
-def _methods() -> dict[str, etrax.OnlineAlgorithm]:
+def _methods() -> dict[str, etrax.OnlineAlgorithm[Any]]:
     return {
         "D-RTRL (per step)": etrax.DRTRL(chunk_steps=1),
         "D-RTRL (chunk 32)": etrax.DRTRL(chunk_steps=32),

@@ -167,7 +167,7 @@ def mse(y: Array, target: Array) -> Array:
 
 
 def train(
-    algorithm: etrax.OnlineAlgorithm,
+    algorithm: etrax.OnlineAlgorithm[Any],
     *,
     iterations: int = 150,
     T: int = 40,
@@ -213,7 +213,11 @@ def train(
 
 def main() -> None:
     print(f"rules vs jax.vjp: max gap {check_rules():.1e}")
-    for name, algorithm in [("D-RTRL", etrax.DRTRL()), ("pp-prop", etrax.PPProp(decay=0.9))]:
+    rules: list[tuple[str, etrax.OnlineAlgorithm[Any]]] = [
+        ("D-RTRL", etrax.DRTRL()),
+        ("pp-prop", etrax.PPProp(decay=0.9)),
+    ]
+    for name, algorithm in rules:
         losses = train(algorithm)
         print(f"{name:8s} loss {losses[0]:.4f} -> {min(losses[-10:]):.4f}")
 

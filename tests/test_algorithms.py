@@ -44,7 +44,7 @@ def _problem(
 
 
 def _online(
-    algo: etrax.OnlineAlgorithm,
+    algo: etrax.OnlineAlgorithm[Any],
     graph: etrax.ETraceGraph,
     state: etrax.ModelState,
     xs: Array,

@@ -58,7 +58,7 @@ def problem(name: str) -> tuple[etrax.ETraceGraph, etrax.ModelState, Array, Arra
 
 
 @functools.cache
-def checked(name: str, algo: etrax.OnlineAlgorithm) -> etrax.GradientCheck:
+def checked(name: str, algo: etrax.OnlineAlgorithm[Any]) -> etrax.GradientCheck:
     graph, state, xs, ts = problem(name)
     return etrax.check_gradients(graph, algo, state, xs, ts, mse)
 
@@ -69,7 +69,7 @@ def _leaf_count(state: etrax.ModelState) -> int:
 
 @pytest.mark.parametrize("algo", [etrax.DRTRL(), etrax.PPProp(0.9)], ids=["drtrl", "pp"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_first_step_equals_bptt(name: str, algo: etrax.OnlineAlgorithm) -> None:
+def test_first_step_equals_bptt(name: str, algo: etrax.OnlineAlgorithm[Any]) -> None:
     graph, state, _, _ = problem(name)
     check = checked(name, algo)
     assert check.ok, check

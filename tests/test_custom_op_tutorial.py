@@ -8,6 +8,8 @@ from pathlib import Path
 from types import ModuleType
 
 import brainstate
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -38,7 +40,7 @@ def test_tutorial_op_is_registered_with_rules(tutorial: ModuleType) -> None:
     "algorithm", [etrax.DRTRL(), etrax.PPProp(decay=0.9)], ids=["d_rtrl", "pp_prop"]
 )
 def test_tutorial_model_learns_online(
-    tutorial: ModuleType, algorithm: etrax.OnlineAlgorithm
+    tutorial: ModuleType, algorithm: etrax.OnlineAlgorithm[Any]
 ) -> None:
     losses: list[float] = tutorial.train(algorithm, iterations=40, T=20, batch=8)
     first = sum(losses[:5]) / 5

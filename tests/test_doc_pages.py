@@ -11,7 +11,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = ("docs/tutorials/bring-your-own-model.md",)
+PAGES = ("docs/tutorials/bring-your-own-model.md", "docs/concepts/learning-rules.md")
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 

@@ -47,7 +47,7 @@ CHUNK = 20
 TOL = 1e-10
 MIN_ACCEPTED = 0.9
 
-_Algorithm = tuple[str, Callable[[], etrax.OnlineAlgorithm]]
+_Algorithm = tuple[str, Callable[[], etrax.OnlineAlgorithm[Any]]]
 BASE: _Algorithm = ("DRTRL(chunk_steps=1)", lambda: etrax.DRTRL(chunk_steps=1))
 ROTATING: tuple[_Algorithm, ...] = (
     ("DRTRL()", lambda: etrax.DRTRL()),  # the chunked driver path (chunk_steps=32)

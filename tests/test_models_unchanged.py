@@ -46,7 +46,9 @@ def _close(a: Any, b: Any, tol: float = TOL) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=tol * scale)
 
 
-def _online(graph: etrax.ETraceGraph, algo: etrax.OnlineAlgorithm, xs: Array, ys: Array) -> Any:
+def _online(
+    graph: etrax.ETraceGraph, algo: etrax.OnlineAlgorithm[Any], xs: Array, ys: Array
+) -> Any:
     state = etrax.state_of(graph)
     grads, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ys, sq)
     return grads
@@ -159,7 +161,7 @@ def test_brainstate_cell_trains_like_its_etrax_counterpart(name: str, batch: int
     x_shape = (3,) if batch is None else (batch, 3)
     y_shape = (2,) if batch is None else (batch, 2)
     xs, ys = _sequence(x_shape, y_shape, T)
-    algo: etrax.OnlineAlgorithm
+    algo: etrax.OnlineAlgorithm[Any]
     for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9)):
         got = _to_etrax_layout(name, _online(g_bs, algo, xs, ys))
         want = _online(g_et, algo, xs, ys)

@@ -205,7 +205,7 @@ def test_leaky_model_online_equals_bptt(case: OpCase) -> None:
         xs = jnp.stack([case.x(100 + t) for t in range(T)])
         ts = jax.random.normal(jax.random.PRNGKey(3), (T, *case.hidden), jnp.float64)
         expected, _ = etrax.bptt_grad(graph, state, xs, ts, _mse)
-        algos: list[etrax.OnlineAlgorithm] = [
+        algos: list[etrax.OnlineAlgorithm[Any]] = [
             etrax.DRTRL(chunk_steps=1),
             etrax.DRTRL(chunk_steps=3),
         ]

@@ -197,11 +197,13 @@ def _setup(
     return graph, state, xs, targets
 
 
-ALGOS: dict[str, Callable[[], etrax.OnlineAlgorithm]] = {
+ALGOS: dict[str, Callable[[], etrax.OnlineAlgorithm[Any]]] = {
     "drtrl": lambda: etrax.DRTRL(chunk_steps=1),
     "drtrl-chunk3": lambda: etrax.DRTRL(chunk_steps=3),
     "pp-prop": lambda: etrax.PPProp(decay=0.9),
     "eprop": lambda: etrax.EProp(kappa=0.5),
+    "scalar-leak": lambda: etrax.LearningRule(etrax.PerParameter(), etrax.ScalarLeak(0.5)),
+    "ostl-feedforward": lambda: etrax.OSTLFeedforward(),
 }
 
 MODELS: dict[str, Callable[[], brainstate.nn.Module]] = {
@@ -221,7 +223,7 @@ def _rel(a: Any, b: Any) -> float:
 
 def _online(
     graph: etrax.ETraceGraph,
-    algo: etrax.OnlineAlgorithm,
+    algo: etrax.OnlineAlgorithm[Any],
     state: etrax.ModelState,
     xs: Array,
     targets: Array,

@@ -145,7 +145,8 @@ def _train(task: Task, method: str, seed: int, progress: Any) -> Result:
     brainstate.nn.init_all_states(model, batch_size=task.example.shape[0])
     graph = compile_etrace_graph(model, task.example)
     start = state_of(graph)
-    algo: OnlineAlgorithm | None = {"D-RTRL": DRTRL(), "pp-prop": PPProp(0.9)}.get(method)
+    rules: dict[str, OnlineAlgorithm[Any]] = {"D-RTRL": DRTRL(), "pp-prop": PPProp(0.9)}
+    algo = rules.get(method)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(task.learning_rate))
 
     def iteration(params: Any, opt_state: Any, key: Array) -> Any:

@@ -1,5 +1,21 @@
-"""Online learning: pure algorithms (D-RTRL, pp-prop, e-prop) and sequence drivers."""
+"""Online learning: learning rules as points on independent axes, their presets
+(D-RTRL, pp-prop, e-prop, …) and the sequence drivers."""
 
+from ._axes import (
+    Diagonal,
+    Filter,
+    Jacobian,
+    Kappa,
+    Modulatory,
+    NoFilter,
+    NoRecursion,
+    RandomFeedback,
+    Recursion,
+    ScalarLeak,
+    Scope,
+    Signal,
+    Symmetric,
+)
 from ._base import EffGrads, OnlineAlgorithm
 from ._check import (
     GradientCheck,
@@ -9,24 +25,45 @@ from ._check import (
     t1_tolerance,
 )
 from ._drivers import bptt_grad, online_grad
-from ._drtrl import DRTRL, DRTRLTraces, EProp, EPropTraces
+from ._drtrl import ParamTraces, PerParameter
 from ._learner import OnlineLearner, compile
-from ._pp import ESDRTRL, PPProp, PPTraces
+from ._pp import InputOutput, IOTraces
+from ._presets import DRTRL, ESDRTRL, PRESETS, EProp, OSTLFeedforward, PPProp, ThreeFactor
+from ._rule import LearningRule, TraceFactorisation
 from ._weights import operand_values, operands_to_params
 
 __all__ = [
     "DRTRL",
     "ESDRTRL",
-    "DRTRLTraces",
+    "PRESETS",
+    "Diagonal",
     "EProp",
-    "EPropTraces",
     "EffGrads",
+    "Filter",
     "GradientCheck",
+    "IOTraces",
+    "InputOutput",
+    "Jacobian",
+    "Kappa",
+    "LearningRule",
+    "Modulatory",
+    "NoFilter",
+    "NoRecursion",
+    "OSTLFeedforward",
     "OnlineAlgorithm",
     "OnlineLearner",
     "PPProp",
-    "PPTraces",
     "ParamCheck",
+    "ParamTraces",
+    "PerParameter",
+    "RandomFeedback",
+    "Recursion",
+    "ScalarLeak",
+    "Scope",
+    "Signal",
+    "Symmetric",
+    "ThreeFactor",
+    "TraceFactorisation",
     "bptt_grad",
     "check_gradients",
     "compare_gradients",

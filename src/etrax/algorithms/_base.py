@@ -1,8 +1,8 @@
 """The online-algorithm interface."""
 
 import abc
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
@@ -64,43 +64,72 @@ def add_eff(a: EffGrads, b: EffGrads, sign: float = 1.0) -> EffGrads:
     )
 
 
-class OnlineAlgorithm(eqx.Module):
-    """A pure online learning rule over an `ETraceGraph`.
+TraceT = TypeVar("TraceT")
+
+
+class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
+    """A pure online learning rule over an `ETraceGraph`, generic in its trace type.
 
     `init`, `update` and `eff_grads` are pure; `grads` maps effective-operand
-    gradients back to the parameters. Hyper-parameters are fields.
+    gradients back to the parameters. Hyper-parameters are fields. The one concrete
+    rule is `LearningRule`, a point on the axes of `etrax.algorithms`.
     """
 
+    name: eqx.AbstractVar[str]
+
     @abc.abstractmethod
-    def init(self, graph: ETraceGraph, state: ModelState) -> PyTree:
+    def init(self, graph: ETraceGraph, state: ModelState) -> TraceT:
         """Zero traces for `graph` (their shapes follow the graph)."""
 
     @abc.abstractmethod
     def update(
-        self, graph: ETraceGraph, traces: PyTree, jac: StepJacobians, weights: Weights | None = None
-    ) -> PyTree:
+        self, graph: ETraceGraph, traces: TraceT, jac: StepJacobians, weights: Weights | None = None
+    ) -> TraceT:
         """Advance the traces by one step given that step's Jacobians."""
 
     @abc.abstractmethod
     def eff_grads(
         self,
         graph: ETraceGraph,
-        traces: PyTree,
+        traces: TraceT,
         dl_dh: Sequence[Array],
         weights: Weights | None = None,
     ) -> EffGrads:
         """Effective-operand gradients for a loss-to-hidden signal (one per group)."""
 
     @abc.abstractmethod
+    def learning_signals(
+        self,
+        graph: ETraceGraph,
+        dl_dh: tuple[Array, ...],
+        olds: tuple[Array, ...],
+        dl_dy: PyTree,
+        modulator: PyTree | None,
+    ) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+        """The signals the traces are contracted with at one step (on the new and on
+        the old hidden values), from the true ``∂L/∂h`` per group, the output
+        cotangent ``∂L/∂y`` and the step's modulator."""
+
+    @property
+    @abc.abstractmethod
+    def needs_modulator(self) -> bool:
+        """Whether `online_grad` must be given per-step ``modulators``."""
+
+    @property
+    @abc.abstractmethod
+    def symmetric(self) -> bool:
+        """Whether the learning signal is the true ``∂L/∂h`` (windows need it)."""
+
+    @abc.abstractmethod
     def chunk(
         self,
         graph: ETraceGraph,
-        traces: PyTree,
+        traces: TraceT,
         jacs: StepJacobians,
         signals: Sequence[Array],
         weights: Weights,
         olds: Sequence[Array] | None = None,
-    ) -> tuple[PyTree, EffGrads]:
+    ) -> tuple[TraceT, EffGrads]:
         """Over the K stacked steps of `jacs` / `signals`: accumulate `eff_grads` of the
         traces *before* each step with `olds` (if given), apply `update`, then
         accumulate `eff_grads` with `signals`; returns the new traces and the sum."""
@@ -113,7 +142,7 @@ class OnlineAlgorithm(eqx.Module):
     def grads(
         self,
         graph: ETraceGraph,
-        traces: PyTree,
+        traces: TraceT,
         dl_dh: Sequence[Array],
         params: Mapping[Path, PyTree],
     ) -> PathDict[PyTree]:
@@ -135,24 +164,25 @@ class OnlineAlgorithm(eqx.Module):
 
 
 def scan_chunk(
-    algo: OnlineAlgorithm,
+    update: Callable[[TraceT, StepJacobians], TraceT],
+    eff_grads: Callable[[TraceT, Sequence[Array]], EffGrads],
     graph: ETraceGraph,
-    traces: PyTree,
+    traces: TraceT,
     jacs: StepJacobians,
     signals: Sequence[Array],
-    weights: Weights,
     dtype: Any,
     olds: Sequence[Array] | None = None,
-) -> tuple[PyTree, EffGrads]:
-    """`chunk` as a scan of per-step `update` and `eff_grads` (the reference form)."""
+) -> tuple[TraceT, EffGrads]:
+    """`OnlineAlgorithm.chunk` as a scan of per-step `update` and `eff_grads` (the
+    reference form)."""
 
     def body(carry: Any, inp: Any) -> Any:
         tr, acc = carry
         jac, sig, old = inp
         if old is not None:
-            acc = add_eff(acc, algo.eff_grads(graph, tr, old, weights))
-        tr = algo.update(graph, tr, jac, weights)
-        acc = add_eff(acc, algo.eff_grads(graph, tr, sig, weights))
+            acc = add_eff(acc, eff_grads(tr, old))
+        tr = update(tr, jac)
+        acc = add_eff(acc, eff_grads(tr, sig))
         return (tr, acc), None
 
     olds_in = None if olds is None else tuple(olds)

@@ -23,7 +23,6 @@ from ..compiler import ETraceGraph, WeightRule
 from ..executor import ModelState
 from ._base import OnlineAlgorithm
 from ._drivers import bptt_grad, online_grad
-from ._drtrl import EProp
 
 __all__ = ["GradientCheck", "ParamCheck", "check_gradients", "compare_gradients", "t1_tolerance"]
 
@@ -352,7 +351,7 @@ def _length(seq: Any, name: str) -> int:
 
 def check_gradients(
     graph: ETraceGraph,
-    algo: OnlineAlgorithm,
+    algo: OnlineAlgorithm[Any],
     state: ModelState,
     xs: Any,
     targets: Any,
@@ -396,6 +395,11 @@ def check_gradients(
         raise TypeError(f"graph must be an etrax ETraceGraph, got {type(graph).__name__}")
     if not isinstance(algo, OnlineAlgorithm):
         raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
+    if algo.needs_modulator:
+        raise ValueError(
+            f"check_gradients compares with BPTT of the loss, but {algo.name} learns from a "
+            "modulator, which has no BPTT reference; check it with online_grad(modulators=...)"
+        )
     if not isinstance(state, ModelState):
         raise TypeError(
             f"state must be an etrax ModelState (etrax.state_of(graph)), got {type(state).__name__}"
@@ -433,9 +437,8 @@ def check_gradients(
 
     statuses = graph.weight_rules()
     rules = {p: statuses[p].rule for p in reference if p in statuses}
-    random_feedback = isinstance(algo, EProp) and algo.feedback == "random"
     unpromised = (
-        {p for p, r in rules.items() if r is WeightRule.TRACED} if random_feedback else set()
+        set() if algo.symmetric else {p for p, r in rules.items() if r is WeightRule.TRACED}
     )
     rows = compare_gradients(
         online,

@@ -54,9 +54,12 @@ def _step_grads(
     x: Any,
     target: Any,
     loss_fn: LossFn,
-) -> tuple[Array, ModelState, StepJacobians, tuple[Array, ...], tuple[Array, ...], list[Array]]:
+) -> tuple[
+    Array, ModelState, StepJacobians, tuple[Array, ...], tuple[Array, ...], list[Array], PyTree
+]:
     """One step: the loss, the new state, the Jacobians, ``∂L/∂h^t`` and the direct
-    ``∂L/∂h^{t-1}`` per group, and the instantaneous gradient of each injected use."""
+    ``∂L/∂h^{t-1}`` per group, the instantaneous gradient of each injected use, and
+    the output cotangent ``∂L/∂y``."""
     mi = graph.module_info
     hp = graph.hidden_perturb
     assert hp is not None
@@ -75,7 +78,7 @@ def _step_grads(
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
     olds = tuple(hp.perturb_data_to_hidden_group_data(g_old, groups))
     jac = step_jacobians(graph, step_env(graph, flat, hidden, hoisted))
-    return loss, next_state(graph, state, hidden, other), jac, signals, olds, list(g_use)
+    return loss, next_state(graph, state, hidden, other), jac, signals, olds, list(g_use), cot
 
 
 def _overlap(
@@ -151,11 +154,12 @@ def _online_impl(
     graph: ETraceGraph,
     loss_fn: LossFn,
     window: int | None,
-    algo: OnlineAlgorithm,
+    algo: OnlineAlgorithm[Any],
     state: ModelState,
     traces: PyTree,
     xs: Any,
     targets: Any,
+    modulators: PyTree | None,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     if window is not None:
         return _window_impl(graph, loss_fn, window, algo, state, traces, xs, targets)
@@ -168,9 +172,12 @@ def _online_impl(
 
     def signal_step(carry: Any, inp: Any) -> Any:
         st, acc_pi, acc_sub = carry
-        x, tgt = inp
-        loss, st, jac, sig, old, g_pi = _step_grads(graph, st, x, tgt, loss_fn)
+        x, tgt, mod = inp
+        loss, st, jac, sig, old, g_pi, cot = _step_grads(graph, st, x, tgt, loss_fn)
+        # the within-step traced part that the instantaneous gradient also holds is
+        # counted with the true signal; the traces then learn from the rule's signal
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
+        sig, old = algo.learning_signals(graph, sig, old, cot, mod)
         return (st, _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old)
 
     zeros = zeros_eff(graph, dtype)
@@ -186,7 +193,9 @@ def _online_impl(
             return (st, tr, acc_eff, acc_pi, acc_sub), loss
 
         init = vary_tree((state, traces, zeros, _zero_uses(graph, state), zeros), state, xs)
-        (state, traces, acc_eff, acc_pi, acc_sub), losses = jax.lax.scan(body, init, (xs, targets))
+        (state, traces, acc_eff, acc_pi, acc_sub), losses = jax.lax.scan(
+            body, init, (xs, targets, modulators)
+        )
     else:
 
         def chunk_body(carry: Any, inp: Any) -> Any:
@@ -198,7 +207,7 @@ def _online_impl(
             return (st, tr, add_eff(acc_eff, g), acc_pi, acc_sub), loss
 
         carry = vary_tree((state, traces, zeros, _zero_uses(graph, state), zeros), state, xs)
-        carry, losses = _scan_blocks(chunk_body, carry, (xs, targets), K, T)
+        carry, losses = _scan_blocks(chunk_body, carry, (xs, targets, modulators), K, T)
         state, traces, acc_eff, acc_pi, acc_sub = carry
     grads = _finish(graph, state.params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
     return grads, {"losses": losses, "state": state, "traces": traces}
@@ -208,7 +217,7 @@ def _window_impl(
     graph: ETraceGraph,
     loss_fn: LossFn,
     window: int,
-    algo: OnlineAlgorithm,
+    algo: OnlineAlgorithm[Any],
     state: ModelState,
     traces: PyTree,
     xs: Any,
@@ -257,6 +266,7 @@ def _window_impl(
 
 
 _online_jit = jax.jit(_online_impl, static_argnums=(0, 1, 2))
+"""`_online_impl` compiled once per graph, loss function and window."""
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -372,7 +382,7 @@ def _remember(graph: ETraceGraph, key: Any) -> None:
 
 def online_grad(
     graph: ETraceGraph,
-    algo: OnlineAlgorithm,
+    algo: OnlineAlgorithm[Any],
     state: ModelState,
     traces: PyTree,
     xs: Any,
@@ -380,6 +390,7 @@ def online_grad(
     loss_fn: LossFn,
     *,
     window: int | None = None,
+    modulators: PyTree | None = None,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over a sequence.
 
@@ -401,7 +412,12 @@ def online_grad(
       function object on every call to avoid recompiling.
     - `window`: ``k`` for truncated windows: exact reverse mode inside each window of
       ``k`` steps plus the traces for credit across windows. ``T`` need not be a
-      multiple of ``k`` (the last window is shorter).
+      multiple of ``k`` (the last window is shorter). Needs a rule with the symmetric
+      learning signal.
+    - `modulators`: for a modulated rule (`etrax.ThreeFactor`, signal `Modulatory`),
+      the per-step modulators with a leading time axis: each step's slice is one
+      array broadcastable to every group's ``(*varshape, S)``, or a tuple with one
+      per hidden group. Passed as data, so new values never recompile.
 
     **Returns:** ``(grads, aux)``: `grads` is a `PathDict` shaped like
     ``state.params``; `aux` has ``losses`` ``(T,)``, the final ``state`` and ``traces``.
@@ -427,6 +443,12 @@ def online_grad(
     w: object = window
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
         raise ValueError(f"window must be an int in [1, T={T}], got {window!r}")
+    if w is not None and not algo.symmetric:
+        raise ValueError(
+            f"{algo.name} learns from a signal other than the true ∂L/∂h, but windows compute "
+            "that signal by reverse mode; run it without window="
+        )
+    modulators = _check_modulators(algo, modulators, T)
     key = ("online", _avals(xs), _avals(targets), loss_fn, _avals(traces), jax.tree.structure(algo))
     if not _seen(graph, key):
         expected = jax.eval_shape(lambda: algo.init(graph, state))
@@ -437,7 +459,34 @@ def online_grad(
             )
         _check_loss(graph, state, xs, targets, loss_fn)
         _remember(graph, key)
-    return _online_jit(graph, loss_fn, window, algo, state, traces, xs, targets)  # type: ignore[no-any-return]
+    return _online_jit(graph, loss_fn, window, algo, state, traces, xs, targets, modulators)  # type: ignore[no-any-return]
+
+
+def _check_modulators(algo: OnlineAlgorithm[Any], modulators: PyTree | None, T: int) -> Any:
+    """`modulators` as arrays with a leading axis of length `T`, present exactly when
+    `algo` learns from a modulator."""
+    if not algo.needs_modulator:
+        if modulators is not None:
+            raise ValueError(
+                f"{algo.name} does not learn from a modulator; modulators= is for a modulated "
+                "rule such as etrax.ThreeFactor()"
+            )
+        return None
+    if modulators is None:
+        raise ValueError(
+            f"{algo.name} learns from a modulator: pass modulators= with one modulator per "
+            f"step (a leading time axis of length T = {T})"
+        )
+    modulators = jax.tree.map(jnp.asarray, modulators)
+    for leaf in jax.tree.leaves(modulators):
+        if leaf.ndim == 0 or leaf.shape[0] != T:
+            raise StepInputError(
+                f"modulators need a leading time axis of length T = {T}, got an array shaped "
+                f"{leaf.shape}"
+            )
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise StepInputError(f"modulators must be float arrays, got dtype {leaf.dtype}")
+    return modulators
 
 
 def _bptt_impl(

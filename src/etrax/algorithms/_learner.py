@@ -16,38 +16,23 @@ from ..compiler import CompilationReport, CompilePolicy, ETraceGraph, compile_et
 from ..executor import ModelState, state_of, write_back
 from ._base import OnlineAlgorithm, check_relations
 from ._drivers import LossFn, bptt_grad, online_grad
-from ._drtrl import DRTRL, EProp
-from ._pp import PPProp
+from ._presets import by_name
 
 __all__ = ["OnlineLearner", "compile"]
 
-_NAMES: dict[str, Callable[[], OnlineAlgorithm]] = {
-    "d_rtrl": DRTRL,
-    "drtrl": DRTRL,
-    "pp_prop": PPProp,
-    "es_d_rtrl": PPProp,
-    "esd_rtrl": PPProp,
-    "esdrtrl": PPProp,
-    "eprop": EProp,
-    "e_prop": EProp,
-}
 
-
-def _algorithm(algorithm: OnlineAlgorithm | str | type[OnlineAlgorithm]) -> OnlineAlgorithm:
+def _algorithm(algorithm: object) -> OnlineAlgorithm[Any]:
     if isinstance(algorithm, OnlineAlgorithm):
         return algorithm
     if isinstance(algorithm, str):
-        factory = _NAMES.get(algorithm.lower().replace("-", "_"))
-        if factory is None:
-            raise ValueError(
-                f"unknown algorithm {algorithm!r}; use one of {sorted(_NAMES)} or an instance "
-                "such as etrax.PPProp(decay=0.9)"
-            )
-        return factory()
-    if isinstance(algorithm, type):
-        return algorithm()
+        return by_name(algorithm)
+    if callable(algorithm):  # a preset such as etrax.DRTRL, with its defaults
+        made = algorithm()
+        if isinstance(made, OnlineAlgorithm):
+            return made
     raise TypeError(
-        f"algorithm must be an etrax.OnlineAlgorithm instance, class or name, got {algorithm!r}"
+        "algorithm must be an etrax learning rule (etrax.DRTRL(), etrax.LearningRule(...)), "
+        f"a preset such as etrax.PPProp, or a preset's name, got {algorithm!r}"
     )
 
 
@@ -69,7 +54,7 @@ class OnlineLearner:
     def __init__(
         self,
         model: brainstate.nn.Module,
-        algorithm: OnlineAlgorithm,
+        algorithm: OnlineAlgorithm[Any],
         graph: ETraceGraph,
         batch_size: int | None,
     ) -> None:
@@ -116,6 +101,7 @@ class OnlineLearner:
         *,
         step_fn: LossFn | None = None,
         window: int | None = None,
+        modulators: PyTree | None = None,
         return_value: bool = False,
     ) -> Any:
         """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over one sequence.
@@ -128,6 +114,8 @@ class OnlineLearner:
         - `xs`, `ys`: inputs and targets with a leading time axis.
         - `loss_fn` (or `step_fn`): ``loss(y_t, target_t) -> scalar``.
         - `window`: optional truncation window (see `etrax.online_grad`).
+        - `modulators`: per-step modulators for a modulated rule (`etrax.ThreeFactor`),
+          with a leading time axis (see `etrax.online_grad`).
         - `return_value`: also return the per-step losses.
 
         **Returns:** the gradients (a `PathDict` like `params`), or ``(grads, losses)``.
@@ -136,7 +124,15 @@ class OnlineLearner:
         if fn is None:
             raise TypeError("etrace_grad needs loss_fn(y_t, target_t) -> scalar")
         grads, aux = online_grad(
-            self.graph, self.algorithm, state_of(self.graph), self.traces, xs, ys, fn, window=window
+            self.graph,
+            self.algorithm,
+            state_of(self.graph),
+            self.traces,
+            xs,
+            ys,
+            fn,
+            window=window,
+            modulators=modulators,
         )
         write_back(self.graph, aux["state"])
         self.traces = aux["traces"]
@@ -159,7 +155,7 @@ class OnlineLearner:
 
 def compile(
     model: brainstate.nn.Module,
-    algorithm: OnlineAlgorithm | str | type[OnlineAlgorithm],
+    algorithm: OnlineAlgorithm[Any] | str | Callable[[], OnlineAlgorithm[Any]],
     *example_inputs: Any,
     batch_size: int | None = None,
     policy: CompilePolicy | None = None,
@@ -169,8 +165,11 @@ def compile(
     **Arguments:**
 
     - `model`: a `brainstate.nn.Module` whose ``update`` does one step.
-    - `algorithm`: an `OnlineAlgorithm` (``etrax.DRTRL()``, ``etrax.PPProp(0.9)``, ...),
-      its class, or a name (``"d_rtrl"``, ``"pp_prop"``, ``"eprop"``).
+    - `algorithm`: a learning rule (``etrax.DRTRL()``, ``etrax.PPProp(0.9)``, an
+      ``etrax.LearningRule(...)``), a preset (``etrax.DRTRL``: its defaults), or a
+      preset's name, case-insensitive (``"d_rtrl"``, ``"pp_prop"``, ``"es_d_rtrl"``,
+      ``"eprop"``, ``"ostl_feedforward"``, ``"three_factor"``; see
+      `etrax.algorithms.PRESETS`).
     - `*example_inputs`: one step's inputs (batched if `batch_size` is given).
     - `batch_size`: batch size the model's states are created with.
     - `policy`: the compiler's `CompilePolicy` (weight-op recognition, if-conversion,
@@ -179,5 +178,5 @@ def compile(
     algo = _algorithm(algorithm)
     brainstate.nn.init_all_states(model, batch_size=batch_size)
     graph = compile_etrace_graph(model, *example_inputs, policy=policy)
-    check_relations(graph, type(algo).__name__)
+    check_relations(graph, algo.name)
     return OnlineLearner(model, algo, graph, batch_size)

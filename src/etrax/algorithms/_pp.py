@@ -1,4 +1,5 @@
-"""ES-D-RTRL / pp-prop: input and output traces instead of per-parameter traces."""
+"""The input/output trace factorisation (ES-D-RTRL, pp-prop): an input trace per op
+and an output trace per (op, group), with memory ``O(I + O)`` per relation."""
 
 import numbers
 import operator
@@ -11,25 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, ScalarLike
 
-from .._typing import PyTree
 from ..compiler import ETraceGraph
-from ..executor import ModelState, StepJacobians
-from ._base import (
-    EffGrads,
-    OnlineAlgorithm,
-    Weights,
-    check_chunk_steps,
-    check_relations,
-    scan_chunk,
-)
+from ..executor import StepJacobians
+from ._axes import Diagonal, NoFilter
+from ._base import EffGrads, Weights, scan_chunk
 from ._kernels import map_extra
 from ._plan import plan_of
+from ._rule import LearningRule, TraceFactorisation
 
-__all__ = ["ESDRTRL", "PPProp", "PPTraces"]
+__all__ = ["IOTraces", "InputOutput", "decay_from", "steps_from"]
 
 
-class PPTraces(eqx.Module):
-    """pp-prop traces.
+class IOTraces(eqx.Module):
+    """Input/output traces.
 
     **Arguments:**
 
@@ -50,7 +45,7 @@ def _scalar(value: object) -> object:
     return value
 
 
-def _decay_from(decay: ScalarLike) -> float:
+def decay_from(decay: ScalarLike) -> float:
     """`decay` as a Python float: an integer rank ``r`` (a Python or NumPy integer, or a
     0-d integer array) becomes ``(r − 1)/(r + 1)``; a real number is taken as is."""
     value = _scalar(decay)
@@ -67,7 +62,7 @@ def _decay_from(decay: ScalarLike) -> float:
     return float(value)
 
 
-def _steps_from(steps: SupportsIndex) -> int:
+def steps_from(steps: SupportsIndex) -> int:
     """`chunk_steps` as a Python int (NumPy integers accepted)."""
     if isinstance(steps, bool | np.bool_) or not isinstance(_scalar(steps), numbers.Integral):
         raise TypeError(
@@ -77,45 +72,45 @@ def _steps_from(steps: SupportsIndex) -> int:
     return operator.index(steps)
 
 
-class PPProp(OnlineAlgorithm):
-    """ES-D-RTRL (pp-prop): ``ε_x ← a ε_x + x``, ``ε_f ← a (D ⊛ ε_f) + (1 − a) df``, and
-    the gradient ``contract(ε_x, Σ_a ε_f[a] L[a] / c)`` through one VJP-like
-    contraction, with memory ``O(I + O)`` per relation.
-
-    The bias correction ``c = 1 − a^n`` counts trace steps ``n`` (not calls), so it is
-    right under windows too. Exact at the first step; an approximation afterwards.
+class InputOutput(TraceFactorisation[IOTraces]):
+    """An input trace ``ε_x ← a ε_x + x`` per op and an output trace
+    ``ε_f ← a (D ⊛ ε_f) + (1 − a) df`` per (op, group); the gradient is
+    ``contract(ε_x, Σ_a ε_f[a] L[a] / c)`` through one VJP-like contraction
+    (ES-D-RTRL / pp-prop). The bias correction ``c = 1 − a^n`` counts trace steps
+    ``n`` (not calls), so it is right under windows too. Exact at the first step; an
+    approximation afterwards.
 
     **Arguments:**
 
     - `decay`: ``a`` in ``[0, 1)``; an integer rank ``r ≥ 1`` means ``a = (r − 1)/(r + 1)``.
-      Python or NumPy numbers (``np.int64(2)``, ``np.float32(0.5)``) are accepted and
-      stored as a Python ``float``; strings and bools are refused with a `TypeError`.
-    - `chunk_steps`: steps whose gradient contractions run as one stacked product
-      (``1``: per step). Equal results; on CPU the stacked form rarely pays off. A
-      positive Python or NumPy integer.
+      Python or NumPy numbers are accepted and stored as a Python ``float``; strings
+      and bools are refused with a `TypeError`.
     """
 
     decay: float = eqx.field(static=True)
-    chunk_steps: int = eqx.field(static=True)
 
-    def __init__(self, decay: ScalarLike = 0.9, chunk_steps: SupportsIndex = 1) -> None:
+    def __init__(self, decay: ScalarLike = 0.9) -> None:
         # NumPy numbers become Python ones, so equal settings share one jit cache entry.
-        self.decay = _decay_from(decay)
-        self.chunk_steps = _steps_from(chunk_steps)
+        self.decay = decay_from(decay)
 
     def __check_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"PPProp: decay must be in [0, 1), got {self.decay}")
-        check_chunk_steps("PPProp", self.chunk_steps)
 
     @property
-    def chunk_size(self) -> int:
-        return self.chunk_steps
+    def label(self) -> str:
+        return "input/output"
 
-    def init(self, graph: ETraceGraph, state: ModelState) -> PPTraces:
-        check_relations(graph, "PPProp")
-        leaves = jax.tree.leaves(state.hidden)
-        dtype = jnp.result_type(*leaves) if leaves else jnp.float32
+    def validate(self, rule: LearningRule[IOTraces]) -> None:
+        if not isinstance(rule.scope, Diagonal):
+            raise ValueError(f"{rule.name}: factorisation InputOutput supports scope Diagonal")
+        if not isinstance(rule.filter, NoFilter):
+            raise ValueError(
+                f"{rule.name}: a trace filter needs per-parameter traces (axes factorisation "
+                "InputOutput and filter Kappa); the output trace is already low-pass filtered"
+            )
+
+    def init(self, graph: ETraceGraph, dtype: Any, rule: LearningRule[IOTraces]) -> IOTraces:
         plan = plan_of(graph)
         xs: list[Array | None] = []
         for rel, x_struct in zip(graph.hidden_param_op_relations, plan.x_structs, strict=True):
@@ -128,18 +123,14 @@ class PPProp(OnlineAlgorithm):
             )
             xs.append(jnp.zeros(shape.shape, dtype))
         fs = tuple(jnp.zeros((*s.varshape, s.num_state), dtype) for s in plan.slots)
-        return PPTraces(tuple(xs), fs, jnp.zeros((), jnp.int32))
+        return IOTraces(tuple(xs), fs, jnp.zeros((), jnp.int32))
 
     def update(
-        self,
-        graph: ETraceGraph,
-        traces: PyTree,
-        jac: StepJacobians,
-        weights: Weights | None = None,
-    ) -> PPTraces:
+        self, graph: ETraceGraph, traces: IOTraces, jac: StepJacobians, weights: Weights,
+        rule: LearningRule[IOTraces],
+    ) -> IOTraces:  # fmt: skip
         a = self.decay
         plan = plan_of(graph)
-        ws = weights if weights is not None else [{} for _ in graph.hidden_param_op_relations]
         xs: list[Array | None] = []
         for rel, ex, x in zip(graph.hidden_param_op_relations, traces.x, jac.x, strict=True):
             if ex is None or x is None:
@@ -147,7 +138,7 @@ class PPProp(OnlineAlgorithm):
                 continue
             rules = rel.spec.rules
             assert rules is not None
-            xs.append(a * ex + rules.input_repr(x, ws[rel.index], rel.params))
+            xs.append(a * ex + rules.input_repr(x, weights[rel.index], rel.params))
         fs = []
         for slot, ef in zip(plan.slots, traces.f, strict=True):
             D = jac.D[slot.group]
@@ -157,9 +148,9 @@ class PPProp(OnlineAlgorithm):
             else:
                 mixed = jnp.sum(D * ef[..., None, :], axis=-1)
             fs.append(a * mixed + (1.0 - a) * df)
-        return PPTraces(tuple(xs), tuple(fs), traces.count + 1)
+        return IOTraces(tuple(xs), tuple(fs), traces.count + 1)
 
-    def _signal(self, traces: PPTraces, k: int, L: Array) -> Array:
+    def _signal(self, traces: IOTraces, k: int, L: Array) -> Array:
         """``Σ_a ε_f[a] L[a] / c`` for slot ``k``, with the bias correction ``c``."""
         ef = traces.f[k]
         n = jnp.maximum(traces.count, 1).astype(ef.dtype)
@@ -167,7 +158,7 @@ class PPProp(OnlineAlgorithm):
         return jnp.sum(ef * L, axis=-1) / jnp.maximum(correction, 1e-12)
 
     def _slot_grads(
-        self, traces: PPTraces, k: int, slot: Any, L: Array, weights: Weights
+        self, traces: IOTraces, k: int, slot: Any, L: Array, weights: Weights
     ) -> dict[str, Array]:
         m = self._signal(traces, k, L)
         ex = traces.x[slot.relation]
@@ -181,31 +172,23 @@ class PPProp(OnlineAlgorithm):
         return out
 
     def eff_grads(
-        self,
-        graph: ETraceGraph,
-        traces: PyTree,
-        dl_dh: Sequence[Array],
-        weights: Weights | None = None,
-    ) -> EffGrads:
+        self, graph: ETraceGraph, traces: IOTraces, signals: Sequence[Array], weights: Weights,
+        rule: LearningRule[IOTraces],
+    ) -> EffGrads:  # fmt: skip
         plan = plan_of(graph)
-        ws = weights if weights is not None else [{} for _ in graph.hidden_param_op_relations]
         out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
         for k, slot in enumerate(plan.slots):
-            g = self._slot_grads(traces, k, slot, dl_dh[slot.group], ws)
+            g = self._slot_grads(traces, k, slot, signals[slot.group], weights)
             acc = out[slot.relation]
             for key, v in g.items():
                 acc[key] = acc[key] + v if key in acc else v
         return tuple(out)
 
     def chunk(
-        self,
-        graph: ETraceGraph,
-        traces: PyTree,
-        jacs: StepJacobians,
-        signals: Sequence[Array],
-        weights: Weights,
-        olds: Sequence[Array] | None = None,
-    ) -> tuple[PPTraces, EffGrads]:
+        self, graph: ETraceGraph, traces: IOTraces, jacs: StepJacobians,
+        signals: Sequence[Array], weights: Weights, olds: Sequence[Array] | None,
+        rule: LearningRule[IOTraces],
+    ) -> tuple[IOTraces, EffGrads]:  # fmt: skip
         """K steps at once: the traces advance step by step, but the contractions
         of factorised slots run as one matrix product over the stacked steps (the
         same sum, with K times more rows per product)."""
@@ -213,14 +196,15 @@ class PPProp(OnlineAlgorithm):
         plan = plan_of(graph)
         fast = [s.factorized and not s.extra for s in plan.slots]
         if olds is not None or not any(fast):
-            out: tuple[PPTraces, EffGrads] = scan_chunk(
-                self, graph, traces, jacs, signals, weights, dtype, olds
-            )
-            return out
+            return scan_chunk(
+                lambda tr, jac: self.update(graph, tr, jac, weights, rule),
+                lambda tr, sig: self.eff_grads(graph, tr, sig, weights, rule),
+                graph, traces, jacs, signals, dtype, olds,
+            )  # fmt: skip
 
-        def body(tr: PPTraces, inp: Any) -> Any:
+        def body(tr: IOTraces, inp: Any) -> Any:
             jac, sig = inp
-            tr = self.update(graph, tr, jac, weights)
+            tr = self.update(graph, tr, jac, weights, rule)
             ms = [
                 self._signal(tr, k, sig[s.group]) if fast[k] else None
                 for k, s in enumerate(plan.slots)
@@ -260,7 +244,3 @@ def _stacked_contract(slot: Any, xs: Array | None, ms: Array) -> dict[str, Array
             u = u.reshape(-1, u.shape[-1])  # (K · op batch, I)
             out[key] = (u.T @ cot).reshape(shape)
     return out
-
-
-ESDRTRL = PPProp
-"""Alias of `PPProp` (exponentially smoothed D-RTRL)."""

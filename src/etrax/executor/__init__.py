@@ -14,6 +14,7 @@ from ._state import (
 from ._step import (
     Pullback,
     StepJacobians,
+    StepPoint,
     as_args,
     forward,
     forward_pure,
@@ -33,6 +34,7 @@ __all__ = [
     "MultiStepData",
     "Pullback",
     "StepJacobians",
+    "StepPoint",
     "as_args",
     "check_sequence_length",
     "fast_check_inputs",

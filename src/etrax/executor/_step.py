@@ -30,6 +30,7 @@ from ._state import (
 __all__ = [
     "Pullback",
     "StepJacobians",
+    "StepPoint",
     "as_args",
     "forward",
     "multi_step",
@@ -53,6 +54,51 @@ class StepJacobians(eqx.Module):
     x: tuple[Array | None, ...]
     df: tuple[tuple[Array, ...], ...]
     D: tuple[Array, ...]
+    point: "StepPoint | None" = None
+
+
+class StepPoint(eqx.Module):
+    """Where a step was taken: the state before it and the step's arguments.
+
+    Carried in `StepJacobians.point` for learning rules that need more of the
+    transition than its per-position Jacobian ``D`` (the coupled and sparse scopes,
+    random projections); `None` otherwise.
+    """
+
+    state: ModelState
+    args: tuple[Any, ...]
+
+    def group_step(self, graph: ETraceGraph, index: int) -> Any:
+        """The map from hidden group `index`'s old values ``(*varshape, S)`` to its new
+        values, with every other input and state held at this point."""
+        group = graph.hidden_groups[index]
+
+        def new_slab(slab: Array) -> Array:
+            hidden = dict(self.state.hidden)
+            hidden.update(zip(group.hidden_paths, group.split_hidden(slab), strict=True))
+            _, new = forward_pure(graph, self.state.replace_hidden(hidden), self.args)
+            return group.concat_hidden([new.hidden[p] for p in group.hidden_paths])
+
+        return new_slab
+
+    def group_slab(self, graph: ETraceGraph, index: int) -> Array:
+        """Hidden group `index`'s old values as one ``(*varshape, S)`` slab."""
+        group = graph.hidden_groups[index]
+        return group.concat_hidden([self.state.hidden[p] for p in group.hidden_paths])
+
+    def transition_jacobian(self, graph: ETraceGraph, index: int) -> Array:
+        """The group's whole within-group transition ``∂h^t/∂h^{t-1}`` (through every
+        op, weight ops included), ``(*varshape, S, *varshape, S)``, with no gradient."""
+        jac: Array = jax.jacfwd(self.group_step(graph, index))(self.group_slab(graph, index))
+        return jax.lax.stop_gradient(jac)
+
+    def transition_jvp(self, graph: ETraceGraph, index: int, tangent: Array) -> Array:
+        """``(∂h^t/∂h^{t-1}) · tangent`` for one group, without forming the Jacobian."""
+        out: Array
+        _, out = jax.jvp(
+            self.group_step(graph, index), (self.group_slab(graph, index),), (tangent,)
+        )
+        return jax.lax.stop_gradient(out)
 
 
 class Pullback(eqx.Module):

@@ -1,0 +1,172 @@
+"""The named learning rules: presets of `LearningRule` with fixed coordinates.
+
+Each preset returns a `LearningRule`; change a coordinate of one with
+`eqx.tree_at` or build the rule directly. `by_name` resolves the names
+`etrax.compile` accepts.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal, SupportsIndex
+
+from jaxtyping import PRNGKeyArray, ScalarLike
+
+from ._axes import Kappa, Modulatory, NoFilter, NoRecursion, RandomFeedback, Symmetric
+from ._drtrl import ParamTraces, PerParameter
+from ._pp import InputOutput, IOTraces, steps_from
+from ._rule import LearningRule
+
+__all__ = [
+    "DRTRL",
+    "ESDRTRL",
+    "PRESETS",
+    "EProp",
+    "OSTLFeedforward",
+    "PPProp",
+    "ThreeFactor",
+    "by_name",
+]
+
+
+def DRTRL(
+    chunk_steps: int = 32, *, trace_dtype: Any = None
+) -> LearningRule[ParamTraces]:  # a preset reads as the rule's name
+    """Diagonal RTRL: a per-parameter trace ``ε ← D ε + x ⊗ df`` per (weight, group),
+    contracted with ``∂L/∂h`` every step.
+
+    Exact (equal to BPTT) when every transition is position-diagonal, every tail
+    element-wise, and each weight reaches later steps only through the hidden group
+    it feeds (in a stacked network the upper layer's state also carries the lower
+    layer's weights forward); otherwise the cross-position and cross-group terms are
+    dropped. Memory: each traced weight's size times ``S`` per connected group.
+
+    **Arguments:**
+
+    - `chunk_steps`: steps the sequence driver re-associates into one fused update (the
+      trace is read and written once per chunk; results equal the per-step form).
+      ``1`` runs the per-step form.
+    - `trace_dtype`: the dtype traces are stored in (default: the model's).
+    """
+    return LearningRule(
+        PerParameter(), chunk_steps=chunk_steps, trace_dtype=trace_dtype, name="DRTRL"
+    )
+
+
+def PPProp(
+    decay: ScalarLike = 0.9, chunk_steps: SupportsIndex = 1, *, trace_dtype: Any = None
+) -> LearningRule[IOTraces]:
+    """ES-D-RTRL (pp-prop): ``ε_x ← a ε_x + x``, ``ε_f ← a (D ⊛ ε_f) + (1 − a) df``, and
+    the gradient ``contract(ε_x, Σ_a ε_f[a] L[a] / c)`` through one VJP-like
+    contraction, with memory ``O(I + O)`` per relation.
+
+    The bias correction ``c = 1 − a^n`` counts trace steps ``n`` (not calls), so it is
+    right under windows too. Exact at the first step; an approximation afterwards.
+
+    **Arguments:**
+
+    - `decay`: ``a`` in ``[0, 1)``; an integer rank ``r ≥ 1`` means ``a = (r − 1)/(r + 1)``.
+      Python or NumPy numbers (``np.int64(2)``, ``np.float32(0.5)``) are accepted and
+      stored as a Python ``float``; strings and bools are refused with a `TypeError`.
+    - `chunk_steps`: steps whose gradient contractions run as one stacked product
+      (``1``: per step). Equal results. A positive Python or NumPy integer.
+    - `trace_dtype`: the dtype traces are stored in (default: the model's).
+    """
+    return LearningRule(
+        InputOutput(decay),
+        chunk_steps=steps_from(chunk_steps),
+        trace_dtype=trace_dtype,
+        name="PPProp",
+    )
+
+
+ESDRTRL = PPProp
+"""Alias of `PPProp` (exponentially smoothed D-RTRL)."""
+
+
+def EProp(
+    kappa: float = 0.0,
+    feedback: Literal["symmetric", "random"] = "symmetric",
+    key: PRNGKeyArray | None = None,
+    *,
+    trace_dtype: Any = None,
+) -> LearningRule[ParamTraces]:
+    """e-prop: D-RTRL's traces, optionally low-pass filtered (``ē ← κ ē + ε``) and
+    contracted with the symmetric ``∂L/∂h`` or with random feedback ``B · ∂L/∂y``
+    (Bellec et al. 2020).
+
+    **Arguments:**
+
+    - `kappa`: the filter's decay in ``[0, 1)`` (``0``: no filter, equal to `DRTRL`).
+    - `feedback`: ``"symmetric"`` or ``"random"`` (`RandomFeedback`: a fixed random
+      matrix replaces the readout's transpose).
+    - `key`: a PRNG key, required for random feedback.
+    - `trace_dtype`: the dtype traces are stored in (default: the model's).
+    """
+    if not 0.0 <= kappa < 1.0:
+        raise ValueError(f"EProp: kappa must be a float in [0, 1), got {kappa!r}")
+    if feedback not in ("symmetric", "random"):
+        raise ValueError(f"EProp: feedback must be 'symmetric' or 'random', got {feedback!r}")
+    if feedback == "random" and key is None:
+        raise ValueError("EProp(feedback='random') needs key=jax.random.key(...)")
+    signal = Symmetric() if key is None or feedback == "symmetric" else RandomFeedback(key)
+    return LearningRule(
+        PerParameter(),
+        signal=signal,
+        filter=Kappa(kappa) if kappa > 0 else NoFilter(),
+        trace_dtype=trace_dtype,
+        name="EProp",
+    )
+
+
+def OSTLFeedforward(*, trace_dtype: Any = None) -> LearningRule[IOTraces]:
+    """OSTL for feed-forward networks (Bohnstingl et al. 2022): input/output traces with
+    no temporal recursion, so each step's gradient is its own instantaneous one through
+    the traced ops (``ε_x = x``, ``ε_f = df``). Exact for networks whose hidden states
+    carry no credit across steps; cheap (``O(I + O)``) everywhere.
+    """
+    return LearningRule(
+        InputOutput(0.0), recursion=NoRecursion(), trace_dtype=trace_dtype, name="OSTLFeedforward"
+    )
+
+
+def ThreeFactor(chunk_steps: int = 1, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
+    """Three-factor (modulated) learning: D-RTRL's per-parameter traces contracted with
+    a modulator passed per step as data (``online_grad(..., modulators=ms)``), in place
+    of ``∂L/∂h``.
+
+    Parameters outside every relation (readouts, plainly used weights) still get their
+    exact instantaneous gradient of the loss; a modulator of zeros gives zero traced
+    gradients.
+    """
+    return LearningRule(
+        PerParameter(),
+        signal=Modulatory(),
+        chunk_steps=chunk_steps,
+        trace_dtype=trace_dtype,
+        name="ThreeFactor",
+    )
+
+
+PRESETS: dict[str, Callable[[], LearningRule[Any]]] = {
+    "d_rtrl": DRTRL,
+    "drtrl": DRTRL,
+    "pp_prop": PPProp,
+    "es_d_rtrl": PPProp,
+    "esd_rtrl": PPProp,
+    "esdrtrl": PPProp,
+    "eprop": EProp,
+    "e_prop": EProp,
+    "ostl_feedforward": OSTLFeedforward,
+    "three_factor": ThreeFactor,
+}
+"""The rules `etrax.compile` accepts by name (lower case; ``-`` reads as ``_``)."""
+
+
+def by_name(name: str) -> LearningRule[Any]:
+    """The preset called `name` (case-insensitive), with its default coordinates."""
+    factory = PRESETS.get(name.lower().replace("-", "_"))
+    if factory is None:
+        raise ValueError(
+            f"unknown learning rule {name!r}; use one of {sorted(PRESETS)} or a rule such as "
+            "etrax.PPProp(decay=0.9)"
+        )
+    return factory()

@@ -1,0 +1,263 @@
+"""`LearningRule`: an online learning rule as a point on independent axes.
+
+A rule is the product of five choices (see `_axes.py`): how traces are factorised,
+how they recur in time, which part of the transition they follow, what they are
+contracted with, and whether they are filtered. The presets (`DRTRL`, `PPProp`,
+`EProp`, …) are rules with fixed coordinates; a new rule is a new point, not a new
+class.
+"""
+
+import abc
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._typing import PyTree
+from ..compiler import ETraceGraph
+from ..executor import ModelState, StepJacobians
+from ._axes import (
+    Diagonal,
+    Filter,
+    Jacobian,
+    Kappa,
+    NoFilter,
+    Recursion,
+    Scope,
+    Signal,
+    Signals,
+    Symmetric,
+    as_dtype,
+)
+from ._base import EffGrads, OnlineAlgorithm, Weights, check_chunk_steps, check_relations
+
+__all__ = ["LearningRule", "TraceFactorisation"]
+
+TraceT = TypeVar("TraceT")
+
+
+class TraceFactorisation(eqx.Module, Generic[TraceT]):
+    """How the eligibility traces are stored, and the engine that runs them.
+
+    Every method receives the whole rule, whose other axes it honours; the rule has
+    already replaced each group's ``D`` by its recursion's transition.
+    """
+
+    @property
+    @abc.abstractmethod
+    def label(self) -> str:
+        """A short name for reports and errors."""
+
+    @abc.abstractmethod
+    def validate(self, rule: "LearningRule[TraceT]") -> None:
+        """Raise `ValueError` naming the axes if `rule`'s other coordinates do not
+        combine with this factorisation."""
+
+    @abc.abstractmethod
+    def init(self, graph: ETraceGraph, dtype: Any, rule: "LearningRule[TraceT]") -> TraceT:
+        """Zero traces stored in `dtype`."""
+
+    @abc.abstractmethod
+    def update(
+        self, graph: ETraceGraph, traces: TraceT, jac: StepJacobians, weights: Weights,
+        rule: "LearningRule[TraceT]",
+    ) -> TraceT:  # fmt: skip
+        """One step of the recursion (traces in the compute dtype)."""
+
+    @abc.abstractmethod
+    def eff_grads(
+        self, graph: ETraceGraph, traces: TraceT, signals: Sequence[Array], weights: Weights,
+        rule: "LearningRule[TraceT]",
+    ) -> EffGrads:  # fmt: skip
+        """Effective-operand gradients of the traces contracted with `signals`."""
+
+    @abc.abstractmethod
+    def chunk(
+        self, graph: ETraceGraph, traces: TraceT, jacs: StepJacobians, signals: Sequence[Array],
+        weights: Weights, olds: Sequence[Array] | None, rule: "LearningRule[TraceT]",
+    ) -> tuple[TraceT, EffGrads]:  # fmt: skip
+        """`OnlineAlgorithm.chunk` for this factorisation."""
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Every floating leaf of `tree` in `dtype` (integer counters unchanged)."""
+
+    def one(a: Any) -> Any:
+        if a is None or not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            return a
+        return a.astype(dtype)
+
+    return jax.tree.map(one, tree)
+
+
+# the default coordinates (immutable Modules, shared)
+_JACOBIAN, _DIAGONAL, _SYMMETRIC, _NO_FILTER = Jacobian(), Diagonal(), Symmetric(), NoFilter()
+
+
+class LearningRule(OnlineAlgorithm[TraceT]):
+    """An online learning rule: one point on the axes of trace factorisation, temporal
+    recursion, recurrence scope, learning signal and trace filter.
+
+    Build one directly or start from a preset (`DRTRL`, `PPProp`, `EProp`,
+    `OSTLFeedforward`, `ThreeFactor`, …) and `eqx.tree_at` a coordinate. An invalid
+    combination is a `ValueError` at construction that names the conflicting axes.
+
+    **Arguments:**
+
+    - `factorisation`: `PerParameter()` (a trace per weight entry, D-RTRL) or
+      `InputOutput(decay)` (an input and an output trace per op, pp-prop).
+    - `recursion`: `Jacobian()` (default), `ScalarLeak(decay)` or `NoRecursion()`.
+    - `scope`: `Diagonal()` (default).
+    - `signal`: `Symmetric()` (default), `RandomFeedback(key)` or `Modulatory()`.
+    - `filter`: `NoFilter()` (default) or `Kappa(kappa)` (per-parameter traces only).
+    - `chunk_steps`: steps the sequence driver re-associates into one fused update
+      (equal results; ``1`` is the per-step form).
+    - `trace_dtype`: the dtype traces are stored in (e.g. ``"bfloat16"``); the
+      recursion and contractions compute in the model's dtype. `None`: the model's.
+    - `name`: the name shown in errors and reports (the presets set it).
+    """
+
+    factorisation: TraceFactorisation[TraceT]
+    recursion: Recursion
+    scope: Scope
+    signal: Signal
+    filter: Filter
+    chunk_steps: int = eqx.field(static=True)
+    trace_dtype: str | None = eqx.field(static=True)
+    name: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        factorisation: TraceFactorisation[TraceT],
+        recursion: Recursion = _JACOBIAN,
+        scope: Scope = _DIAGONAL,
+        signal: Signal = _SYMMETRIC,
+        filter: Filter = _NO_FILTER,  # the axis's name
+        *,
+        chunk_steps: int = 1,
+        trace_dtype: Any = None,
+        name: str = "LearningRule",
+    ) -> None:
+        self.factorisation = factorisation
+        self.recursion = recursion
+        self.scope = scope
+        self.signal = signal
+        self.filter = filter
+        self.chunk_steps = chunk_steps
+        self.trace_dtype = as_dtype(trace_dtype, name)
+        self.name = name
+
+    def __check_init__(self) -> None:
+        axes: tuple[tuple[str, object, type], ...] = (
+            ("factorisation", self.factorisation, TraceFactorisation),
+            ("recursion", self.recursion, Recursion),
+            ("scope", self.scope, Scope),
+            ("signal", self.signal, Signal),
+            ("filter", self.filter, Filter),
+        )
+        for axis, value, kind in axes:
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"{self.name}: {axis} must be an etrax {kind.__name__} "
+                    f"(e.g. {_EXAMPLES[axis]}), got {value!r}"
+                )
+        check_chunk_steps(self.name, self.chunk_steps)
+        if isinstance(self.filter, Kappa) and self.chunk_steps != 1:
+            raise ValueError(
+                f"{self.name}: the Kappa filter runs per step; use chunk_steps=1 (axes filter "
+                "and chunk_steps)"
+            )
+        self.factorisation.validate(self)
+
+    # --- OnlineAlgorithm ---------------------------------------------------------------
+
+    @property
+    def chunk_size(self) -> int:
+        return self.chunk_steps
+
+    @property
+    def needs_modulator(self) -> bool:
+        return self.signal.needs_modulator
+
+    @property
+    def symmetric(self) -> bool:
+        return self.signal.symmetric
+
+    def _store(self, compute: Any) -> Any:
+        return compute if self.trace_dtype is None else jnp.dtype(self.trace_dtype)
+
+    def init(self, graph: ETraceGraph, state: ModelState) -> TraceT:
+        check_relations(graph, self.name)
+        leaves = jax.tree.leaves(state.hidden)
+        compute = jnp.result_type(*leaves) if leaves else jnp.float32
+        return self.factorisation.init(graph, self._store(compute), self)
+
+    def update(
+        self, graph: ETraceGraph, traces: TraceT, jac: StepJacobians, weights: Weights | None = None
+    ) -> TraceT:
+        compute = _jac_dtype(jac)
+        up = _cast(traces, compute)
+        new = self.factorisation.update(
+            graph, up, self.recursion.apply(jac), _weights(graph, weights), self
+        )
+        return _cast(new, self._store(compute))  # type: ignore[no-any-return]
+
+    def eff_grads(
+        self,
+        graph: ETraceGraph,
+        traces: TraceT,
+        dl_dh: Sequence[Array],
+        weights: Weights | None = None,
+    ) -> EffGrads:
+        compute = jnp.result_type(*dl_dh) if dl_dh else jnp.float32
+        return self.factorisation.eff_grads(
+            graph, _cast(traces, compute), dl_dh, _weights(graph, weights), self
+        )
+
+    def chunk(
+        self,
+        graph: ETraceGraph,
+        traces: TraceT,
+        jacs: StepJacobians,
+        signals: Sequence[Array],
+        weights: Weights,
+        olds: Sequence[Array] | None = None,
+    ) -> tuple[TraceT, EffGrads]:
+        compute = _jac_dtype(jacs)
+        new, grads = self.factorisation.chunk(
+            graph, _cast(traces, compute), self.recursion.apply(jacs), signals, weights, olds, self
+        )
+        return _cast(new, self._store(compute)), grads
+
+    def learning_signals(
+        self,
+        graph: ETraceGraph,
+        dl_dh: tuple[Array, ...],
+        olds: tuple[Array, ...],
+        dl_dy: PyTree,
+        modulator: PyTree | None,
+    ) -> Signals:
+        return self.signal.signals(graph, dl_dh, olds, dl_dy, modulator)
+
+
+_EXAMPLES = {
+    "factorisation": "etrax.PerParameter()",
+    "recursion": "etrax.Jacobian()",
+    "scope": "etrax.Diagonal()",
+    "signal": "etrax.Symmetric()",
+    "filter": "etrax.NoFilter()",
+}
+
+
+def _jac_dtype(jac: StepJacobians) -> Any:
+    leaves = jax.tree.leaves(jac.D) or jax.tree.leaves(jac.df)
+    return jnp.result_type(*leaves) if leaves else jnp.float32
+
+
+def _weights(graph: ETraceGraph, weights: Weights | None) -> Weights:
+    if weights is None:
+        return tuple({} for _ in graph.hidden_param_op_relations)
+    return weights

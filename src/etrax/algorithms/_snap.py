@@ -1,0 +1,203 @@
+"""Sparse-n traces (SnAp-n): per-parameter traces over the n-step neighbourhood of
+the position each weight entry feeds.
+
+A weight entry that feeds position ``p`` of a group first changes ``h[p]``; one step
+later it reaches the positions that ``p`` feeds through the group's whole
+transition (weight ops included), and so on. SnAp-n keeps the trace entries of the
+positions reached in fewer than ``n`` steps (``n − 1`` hops of the position graph)
+and drops the rest: SnAp-1 is the coupled scope, and once ``n − 1`` reaches the
+position graph's diameter the traces are full within-group RTRL.
+
+The position graph is probed once per graph and group: the transition's Jacobian at
+a random point (random parameters, hidden values and inputs), whose structurally
+non-zero entries are its edges. A sparse recurrent weight gives its pattern, a dense
+one all-to-all (within each batch entry, which no op mixes).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from .._errors import CompilationError
+from ..compiler import ETraceGraph
+from ..executor import ModelState, StepPoint, state_of
+from ._plan import Slot
+
+__all__ = ["Neighbourhood", "neighbourhood", "snap_init", "snap_solve", "snap_update"]
+
+Trace = dict[str, Array]
+
+
+@dataclass(frozen=True)
+class Neighbourhood:
+    """The positions each position's trace covers (static, NumPy).
+
+    **Arguments:**
+
+    - `index`: ``(P, K)`` neighbour positions of each position (padded with itself).
+    - `mask`: ``(P, K)`` 1 for a real neighbour, 0 for padding.
+    - `own`: ``(P, K)`` 1 where the neighbour is the position itself.
+    """
+
+    index: np.ndarray
+    mask: np.ndarray
+    own: np.ndarray
+
+    @property
+    def width(self) -> int:
+        """``K``: the most positions any trace covers."""
+        return int(self.index.shape[1])
+
+
+def _random_point(graph: ETraceGraph, seed: int) -> StepPoint:
+    """A point with random float parameters, hidden values, other states and inputs."""
+    rng = np.random.default_rng(seed)
+
+    def draw(a: Any) -> Any:
+        a = np.asarray(a)
+        if not np.issubdtype(a.dtype, np.floating):
+            return a
+        return rng.standard_normal(a.shape).astype(a.dtype)
+
+    live = state_of(graph)
+    state = ModelState(
+        jax.tree.map(draw, live.params),
+        jax.tree.map(draw, live.hidden),
+        jax.tree.map(draw, live.other),
+    )
+    mi = graph.module_info
+    leaves = [draw(np.zeros(shape, dtype)) for shape, dtype in mi.in_avals]
+    return StepPoint(state, tuple(jax.tree.unflatten(mi.in_tree, leaves)))
+
+
+def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
+    """``A[q, p]``: whether ``h^t[q]`` depends on ``h^{t-1}[p]`` (``P × P``, boolean)."""
+    group = graph.hidden_groups[index]
+    P = int(np.prod(group.varshape, dtype=np.int64))
+    S = group.num_state
+    if (P * S) ** 2 > max_elements:
+        raise CompilationError(
+            f"SnAp probes hidden group {index}'s transition Jacobian ({P * S}² = "
+            f"{(P * S) ** 2} elements), more than max_elements={max_elements}; raise "
+            "max_elements or use the coupled or diagonal scope"
+        )
+    found = np.zeros((P, P), dtype=bool)
+    with jax.ensure_compile_time_eval():
+        for seed in (0, 1):  # two random points: an accidental zero is not an edge
+            jac = np.asarray(_random_point(graph, seed).transition_jacobian(graph, index))
+            found |= np.abs(jac.reshape(P, S, P, S)).sum(axis=(1, 3)) > 0
+    return found | np.eye(P, dtype=bool)
+
+
+def neighbourhood(graph: ETraceGraph, index: int, n: int, max_elements: int) -> Neighbourhood:
+    """The positions reached from each position of group `index` in at most ``n − 1``
+    steps of its transition (computed once per graph, group and ``n``)."""
+
+    def build() -> Neighbourhood:
+        A = _adjacency(graph, index, max_elements)
+        reach = np.eye(A.shape[0], dtype=bool)  # reach[p, q]: q reached from p
+        for _ in range(n - 1):
+            reach = reach | ((reach.astype(np.int64) @ A.T.astype(np.int64)) > 0)
+        P = A.shape[0]
+        width = int(reach.sum(axis=1).max())
+        idx = np.tile(np.arange(P)[:, None], (1, width))
+        mask = np.zeros((P, width), dtype=np.float64)
+        for p in range(P):
+            qs = np.flatnonzero(reach[p])
+            idx[p, : qs.size] = qs
+            mask[p, : qs.size] = 1.0
+        own = ((idx == np.arange(P)[:, None]) & (mask > 0)).astype(np.float64)
+        return Neighbourhood(idx, mask, own)
+
+    return graph.memo.get(f"snap:{index}:{n}:{max_elements}", build)
+
+
+# --- kernels (factorised slots, canonical layout (NB, [I,] O, K, S)) ----------------------
+
+
+def _check_slot(slot: Slot) -> None:
+    P = int(np.prod(slot.varshape, dtype=np.int64))
+    if not slot.factorized or slot.nb * slot.out != P:
+        raise CompilationError(
+            "the sparse-n scope (SnAp) traces ops whose rules factorise (matmul, conv, …) "
+            f"and whose output covers the group's positions; relation {slot.relation} does "
+            "not. Use the coupled or diagonal scope for this model."
+        )
+
+
+def snap_init(slot: Slot, hood: Neighbourhood, dtype: Any) -> Trace:
+    _check_slot(slot)
+    K, S = hood.width, slot.num_state
+    out: Trace = {}
+    for key in slot.keys:
+        i = slot.inputs[key]
+        lead = (slot.nb,) if i is None else (slot.nb, i)
+        out[key] = jnp.zeros((*lead, slot.out, K, S), dtype)
+    return out
+
+
+def gather_transition(full: Array, hood: Neighbourhood, P: int, S: int) -> Array:
+    """``Jn[p, k, a, l, b] = J[N(p)_k, a, N(p)_l, b]`` (zero on padding), from the full
+    ``(*varshape, S, *varshape, S)`` transition."""
+    J = full.reshape(P, S, P, S)
+    idx = jnp.asarray(hood.index)
+    rows = J[idx]  # (P, K, S, P, S): J[N(p)_k, a, :, :]
+    Jn = jnp.take_along_axis(rows, idx[:, None, None, :, None], axis=3)  # (P, K, S, K, S)
+    m = jnp.asarray(hood.mask, J.dtype)
+    return Jn * m[:, :, None, None, None] * m[:, None, None, :, None]
+
+
+def _factor_inputs(slot: Slot, x: Array | None) -> dict[str, Array | None]:
+    assert slot.rules.factor is not None
+    fac = slot.rules.factor(x, slot.params)
+    out: dict[str, Array | None] = {}
+    for key, u in fac.inputs.items():
+        if u is None:
+            out[key] = None
+        else:
+            full = jnp.broadcast_to(u, (*slot.extra, *u.shape))
+            out[key] = full.reshape(slot.nb, u.shape[-1])
+    return out
+
+
+def snap_update(
+    slot: Slot, hood: Neighbourhood, eps: Trace, x: Array | None, df: Array, Jn: Array
+) -> Trace:
+    """``ε ← Jn ε + [own] u ⊗ df`` on each position's neighbourhood."""
+    K, S = hood.width, slot.num_state
+    J = Jn.reshape(slot.nb, slot.out, K, S, K, S)
+    d = df.reshape(slot.nb, slot.out, S)
+    own = jnp.asarray(hood.own, d.dtype).reshape(slot.nb, slot.out, K)
+    inst = own[..., None] * d[:, :, None, :]  # (NB, O, K, S)
+    us = _factor_inputs(slot, x)
+    out: Trace = {}
+    for key in slot.keys:
+        e = eps[key]
+        u = us[key]
+        if u is None:
+            out[key] = jnp.einsum("nokalb,nolb->noka", J, e) + inst
+        else:
+            mixed = jnp.einsum("nokalb,niolb->nioka", J, e)
+            out[key] = mixed + u[:, :, None, None, None] * inst[:, None]
+    return out
+
+
+def snap_solve(slot: Slot, hood: Neighbourhood, eps: Trace, L: Array) -> Trace:
+    """``Σ_{k,a} L[N(p)_k, a] ε[..., p, k, a]`` per weight entry."""
+    K, S = hood.width, slot.num_state
+    flat = L.reshape(-1, S)
+    Lg = flat[jnp.asarray(hood.index)] * jnp.asarray(hood.mask, L.dtype)[..., None]
+    Lg = Lg.reshape(slot.nb, slot.out, K, S)
+    out: Trace = {}
+    for key in slot.keys:
+        e = eps[key]
+        if slot.inputs[key] is None:
+            g = jnp.einsum("noka,noka->o", Lg, e)
+        else:
+            g = jnp.einsum("noka,nioka->io", Lg, e)
+        out[key] = g.reshape(tuple(slot.eff_shapes[key]))
+    return out

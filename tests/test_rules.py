@@ -1,0 +1,384 @@
+"""Learning rules as points on axes: validation, presets by name, and the rules beyond
+D-RTRL / pp-prop / e-prop (three-factor, random feedback, scalar leak, no recursion,
+OSTL feed-forward, low-precision traces), each against an independent oracle."""
+
+from typing import Any
+
+import brainstate
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array, ArrayLike
+
+import etrax
+from etrax._typing import Path
+
+from .models import LeakyTanh, LeakyTanhReadout, build
+from .oracles import bptt_grads
+
+TOL = 1e-10
+
+
+def mse(y: Array, t: Array) -> Array:
+    return jnp.sum((y - t) ** 2)
+
+
+def linear_loss(y: Array, t: Array) -> Array:
+    """``Σ y · t``: its output cotangent is the target, whatever the readout."""
+    return jnp.sum(y * t)
+
+
+def rel(a: Any, b: Any) -> float:
+    worst = 0.0
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        scale = float(np.max(np.abs(v))) if v.size else 0.0
+        worst = max(worst, float(np.max(np.abs(u - v))) / (scale if scale > 0 else 1.0))
+    return worst
+
+
+def problem(
+    model: brainstate.nn.Module, x: Array, T: int, seed: int = 0
+) -> tuple[etrax.ETraceGraph, etrax.ModelState, Array, Array]:
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.key(seed), (T, *x.shape), x.dtype)
+    y0, _ = etrax.forward(graph, state, x)
+    ts = jax.random.normal(jax.random.key(seed + 1), (T, *y0.shape), y0.dtype)
+    return graph, state, xs, ts
+
+
+def online(
+    algo: etrax.OnlineAlgorithm[Any],
+    graph: etrax.ETraceGraph,
+    state: etrax.ModelState,
+    xs: Array,
+    ts: Array,
+    loss: Any = mse,
+    **kw: Any,
+) -> dict[Path, Any]:
+    grads, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ts, loss, **kw)
+    return dict(grads)
+
+
+def traced_paths(graph: etrax.ETraceGraph) -> list[Path]:
+    rules = graph.weight_rules()
+    return [p for p, r in rules.items() if r.rule is etrax.WeightRule.TRACED]
+
+
+# --- construction -------------------------------------------------------------------------
+
+
+def test_invalid_axis_combinations_are_construction_errors() -> None:
+    with pytest.raises(ValueError, match="factorisation InputOutput and filter Kappa"):
+        etrax.LearningRule(etrax.InputOutput(0.5), filter=etrax.Kappa(0.5))
+    with pytest.raises(ValueError, match="filter and chunk_steps"):
+        etrax.LearningRule(etrax.PerParameter(), filter=etrax.Kappa(0.5), chunk_steps=4)
+    # refused by the suite's runtime type checks, or without them by the rule's own check
+    with pytest.raises(TypeError, match="recursion"):
+        etrax.LearningRule(etrax.PerParameter(), "jacobian")  # type: ignore[arg-type]  # the error under test
+    with pytest.raises(ValueError, match="decay must be in"):
+        etrax.ScalarLeak(1.0)
+    with pytest.raises(ValueError, match="kappa must be in"):
+        etrax.Kappa(0.0)
+    with pytest.raises(TypeError, match="trace_dtype must be a float dtype"):
+        etrax.DRTRL(trace_dtype="int8")
+    with pytest.raises(ValueError, match="chunk_steps"):
+        etrax.LearningRule(etrax.PerParameter(), chunk_steps=0)
+
+
+def test_presets_are_points_on_the_axes() -> None:
+    d = etrax.DRTRL(chunk_steps=1)
+    assert d == etrax.LearningRule(etrax.PerParameter(), name="DRTRL")
+    assert isinstance(etrax.PPProp(0.5).factorisation, etrax.InputOutput)
+    e = etrax.EProp(kappa=0.5, feedback="random", key=jax.random.key(0))
+    assert isinstance(e.filter, etrax.Kappa) and isinstance(e.signal, etrax.RandomFeedback)
+    assert isinstance(etrax.ThreeFactor().signal, etrax.Modulatory)
+    assert isinstance(etrax.OSTLFeedforward().recursion, etrax.NoRecursion)
+    # a coordinate changed with eqx.tree_at is a new rule
+    leaky = eqx.tree_at(lambda r: r.recursion, d, etrax.ScalarLeak(0.5))
+    assert isinstance(leaky.recursion, etrax.ScalarLeak) and leaky != d
+
+
+def test_compile_accepts_every_preset_name() -> None:
+    for name, kind in (
+        ("D_RTRL", etrax.PerParameter),
+        ("pp-prop", etrax.InputOutput),
+        ("ES_D_RTRL", etrax.InputOutput),
+        ("EProp", etrax.PerParameter),
+        ("OSTL_FeedForward", etrax.InputOutput),
+        ("Three-Factor", etrax.PerParameter),
+    ):
+        model, x = build(LeakyTanh, 3, 4)
+        learner = etrax.compile(model, name, x)
+        assert isinstance(learner.algorithm, etrax.LearningRule), name
+        assert isinstance(learner.algorithm.factorisation, kind), name
+    model, x = build(LeakyTanh, 3, 4)
+    assert isinstance(etrax.compile(model, etrax.DRTRL, x).algorithm, etrax.LearningRule)
+    with pytest.raises(ValueError, match=r"unknown learning rule 'rtrl'.*three_factor"):
+        etrax.compile(model, "rtrl", x)
+
+
+# --- recursion ------------------------------------------------------------------------------
+
+
+class NoMemory(brainstate.nn.Module):
+    """``h ← tanh(x W + b)``: a hidden state with no dependence on its past (D = 0)."""
+
+    def __init__(self, n_in: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.fc = etrax.nn.Linear(n_in, n)
+        self.out = etrax.nn.Linear(n, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
+        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
+
+    def update(self, x: ArrayLike) -> Array:
+        self.h.value = jnp.tanh(self.fc(x))
+        out: Array = self.out(self.h.value)
+        return out
+
+
+def test_ostl_feedforward_is_exact_without_memory() -> None:
+    model, x = build(NoMemory, 3, 4)
+    graph, state, xs, ts = problem(model, x, T=5)
+    ref = bptt_grads(model, state, xs, ts, mse)
+    got = online(etrax.OSTLFeedforward(), graph, state, xs, ts)
+    for p in ref:
+        assert rel(got[p], ref[p]) < TOL, p
+
+
+def test_no_recursion_equals_ostl_feedforward_and_differs_from_drtrl() -> None:
+    """Two engines (per-parameter and input/output) without recursion both give the sum of
+    each step's instantaneous traced gradient; D-RTRL (with memory) differs."""
+    model, x = build(LeakyTanh, 3, 4)
+    graph, state, xs, ts = problem(model, x, T=5)
+    none = online(
+        etrax.LearningRule(etrax.PerParameter(), etrax.NoRecursion()), graph, state, xs, ts
+    )
+    ostl = online(etrax.OSTLFeedforward(), graph, state, xs, ts)
+    drtrl = online(etrax.DRTRL(chunk_steps=1), graph, state, xs, ts)
+    for p in none:
+        assert rel(none[p], ostl[p]) < TOL, p
+    assert max(rel(none[p], drtrl[p]) for p in traced_paths(graph)) > 1e-3
+
+
+def test_scalar_leak_equals_drtrl_when_the_leak_is_the_dynamics() -> None:
+    """``h ← 0.5 h + x W + b`` has ``D = 0.5`` exactly: ScalarLeak(0.5) equals D-RTRL (and
+    BPTT) there, chunked or not, and a different leak changes the result."""
+    from .models import LeakyLinear
+
+    model, x = build(LeakyLinear, 3, 4)
+    graph, state, xs, ts = problem(model, x, T=6)
+    ref = bptt_grads(model, state, xs, ts, mse)
+    for chunk in (1, 4):
+        rule = etrax.LearningRule(etrax.PerParameter(), etrax.ScalarLeak(0.5), chunk_steps=chunk)
+        got = online(rule, graph, state, xs, ts)
+        for p in ref:
+            assert rel(got[p], ref[p]) < TOL, (chunk, p)
+    other = online(
+        etrax.LearningRule(etrax.PerParameter(), etrax.ScalarLeak(0.9)), graph, state, xs, ts
+    )
+    assert max(rel(other[p], ref[p]) for p in traced_paths(graph)) > 1e-3
+
+
+# --- three-factor ---------------------------------------------------------------------------
+
+
+def true_signals(graph: etrax.ETraceGraph, state: etrax.ModelState, xs: Array, ts: Array) -> Array:
+    """``∂L_t/∂h^t`` of the single hidden group at every step, through `etrax.step_vjp`."""
+    out = []
+    for t in range(xs.shape[0]):
+        y, state, _, pullback = etrax.step_vjp(graph, state, xs[t])
+        (signal,) = pullback(jax.grad(mse)(y, ts[t]))
+        out.append(signal)
+    return jnp.stack(out)
+
+
+def test_three_factor_with_the_true_signal_equals_drtrl() -> None:
+    model, x = build(LeakyTanhReadout, 3, 5)
+    graph, state, xs, ts = problem(model, x, T=6)
+    assert len(graph.hidden_groups) == 1
+    ms = true_signals(graph, state, xs, ts)
+    drtrl = online(etrax.DRTRL(chunk_steps=1), graph, state, xs, ts)
+    for chunk in (1, 4):
+        three = online(etrax.ThreeFactor(chunk), graph, state, xs, ts, modulators=ms)
+        for p in drtrl:
+            assert rel(three[p], drtrl[p]) < TOL, (chunk, p)
+    ref = bptt_grads(model, state, xs, ts, mse)  # this model is exact under D-RTRL
+    for p in ref:
+        assert rel(drtrl[p], ref[p]) < TOL, p
+
+
+def test_three_factor_modulator_is_data_step_by_step() -> None:
+    model, x = build(LeakyTanhReadout, 3, 5)
+    graph, state, xs, ts = problem(model, x, T=6)
+    rule = etrax.ThreeFactor()
+    traced = traced_paths(graph)
+    assert traced
+    zero = online(rule, graph, state, xs, ts, modulators=jnp.zeros((6,)))
+    for p in traced:
+        assert all(float(np.max(np.abs(g))) == 0.0 for g in jax.tree.leaves(zero[p])), p
+    readout = ("readout", "weight")
+    assert readout not in traced
+    assert all(float(np.max(np.abs(g))) > 0 for g in jax.tree.leaves(zero[readout]))
+    # a per-step scalar: a modulator only at step 2 gives that step's traces' gradient
+    first = online(rule, graph, state, xs, ts, modulators=jnp.zeros((6,)).at[2].set(1.0))
+    last = online(rule, graph, state, xs, ts, modulators=jnp.zeros((6,)).at[5].set(1.0))
+    assert max(rel(first[p], last[p]) for p in traced) > 1e-3
+    # per position: broadcast to (*varshape, S)
+    per_unit = jnp.ones((6, 5, 1))
+    ones = online(rule, graph, state, xs, ts, modulators=jnp.ones((6,)))
+    per = online(rule, graph, state, xs, ts, modulators=per_unit)
+    for p in traced:
+        assert rel(per[p], ones[p]) < TOL
+    with pytest.raises(ValueError, match="pass modulators="):
+        online(rule, graph, state, xs, ts)
+    with pytest.raises(ValueError, match="does not learn from a modulator"):
+        online(etrax.DRTRL(), graph, state, xs, ts, modulators=jnp.ones((6,)))
+    with pytest.raises(etrax.StepInputError, match="leading time axis of length T = 6"):
+        online(rule, graph, state, xs, ts, modulators=jnp.ones((5,)))
+    with pytest.raises(ValueError, match="windows compute that signal"):
+        online(rule, graph, state, xs, ts, modulators=jnp.ones((6,)), window=2)
+
+
+# --- random feedback ------------------------------------------------------------------------
+
+
+def _scaled_readout(state: etrax.ModelState, factor: float) -> etrax.ModelState:
+    params = dict(state.params)
+    params[("readout", "weight")] = {
+        k: factor * v for k, v in params[("readout", "weight")].items()
+    }
+    return state.replace_params(params)
+
+
+def test_random_feedback_does_not_depend_on_the_readout_weights() -> None:
+    """With ``∂L/∂y`` fixed (a linear loss), scaling the readout by 5 leaves the traced
+    gradients unchanged under random feedback, and scales them by 5 under the true signal."""
+    model, x = build(LeakyTanhReadout, 3, 5)
+    graph, state, xs, ts = problem(model, x, T=6)
+    traced = traced_paths(graph)
+    rfa = etrax.EProp(feedback="random", key=jax.random.key(3))
+    sym = etrax.EProp()
+    base_r = online(rfa, graph, state, xs, ts, linear_loss)
+    base_s = online(sym, graph, state, xs, ts, linear_loss)
+    big = _scaled_readout(state, 5.0)
+    big_r = online(rfa, graph, big, xs, ts, linear_loss)
+    big_s = online(sym, graph, big, xs, ts, linear_loss)
+    for p in traced:
+        assert rel(big_r[p], base_r[p]) < TOL, p
+        assert rel(big_s[p], jax.tree.map(lambda g: 5.0 * g, base_s[p])) < TOL, p
+    # the random signal is not the true one
+    assert max(rel(base_r[p], base_s[p]) for p in traced) > 1e-2
+
+
+def _train(rule: etrax.OnlineAlgorithm[Any], *, freeze: Path | None = None) -> list[float]:
+    """Adam on a smoothing task (``z ← 0.7 z + 0.3 x[:2]``) for a leaky tanh network with a
+    readout; returns the loss per iteration. `freeze` keeps one parameter fixed."""
+    import optax
+
+    brainstate.random.seed(0)
+    model, x = build(LeakyTanhReadout, 3, 16, batch=8)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.key(0), (20, 8, 3), x.dtype)
+
+    def smooth(z: Array, xt: Array) -> tuple[Array, Array]:
+        z = 0.7 * z + 0.3 * xt[:, :2]
+        return z, z
+
+    _, ts = jax.lax.scan(smooth, jnp.zeros((8, 2), x.dtype), xs)
+
+    def mean_sq(y: Array, t: Array) -> Array:
+        return jnp.mean((y - t) ** 2)
+
+    opt = optax.adam(0.01)
+    params = dict(state.params)
+    opt_state = opt.init(params)
+    losses = []
+    for _ in range(150):
+        start = state.replace_params(params)
+        grads, aux = etrax.online_grad(graph, rule, start, rule.init(graph, start), xs, ts, mean_sq)
+        g = dict(grads)
+        if freeze is not None:
+            g[freeze] = jax.tree.map(jnp.zeros_like, g[freeze])
+        losses.append(float(jnp.sum(aux["losses"])))
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 scalars
+            updates, opt_state = opt.update(g, opt_state, params)
+            params = optax.apply_updates(params, updates)
+    return losses
+
+
+def test_random_feedback_learns_a_task() -> None:
+    """Trained by e-prop with random feedback, the network lowers the task's loss to
+    under 5 % of its start, and below what the readout alone reaches (so the randomly
+    fed-back signal teaches the recurrent layer something)."""
+    rule = etrax.EProp(feedback="random", key=jax.random.key(1))
+    losses = _train(rule)
+    readout_only = _train(rule, freeze=("rnn", "fc", "weight"))
+    assert losses[-1] < 0.05 * losses[0], (losses[0], losses[-1])
+    assert losses[-1] < readout_only[-1], (losses[-1], readout_only[-1])
+
+
+class FlatReadout(brainstate.nn.Module):
+    """A batched leaky tanh layer whose readout is flattened (no batch axis)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = LeakyTanhReadout(3, 5)
+
+    def update(self, x: ArrayLike) -> Array:
+        out: Array = self.inner(x)
+        return out.reshape(-1)
+
+
+def test_random_feedback_refuses_outputs_that_do_not_fit_the_group() -> None:
+    rule = etrax.EProp(feedback="random", key=jax.random.key(3))
+    model, x = build(LeakyTanhReadout, 3, 5, batch=2)
+    graph, state, xs, ts = problem(model, x, T=2)
+    assert set(online(rule, graph, state, xs, ts)) == set(state.params)  # batched outputs fit
+    flat, x = build(FlatReadout, batch=2)
+    graph, state, xs, ts = problem(flat, x, T=2)
+    with pytest.raises(ValueError, match="leading axes \\(a batch axis\\) equal the group's"):
+        online(rule, graph, state, xs, ts)
+
+
+# --- trace storage precision ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make", [lambda d: etrax.DRTRL(4, trace_dtype=d), lambda d: etrax.PPProp(0.9, 4, trace_dtype=d)]
+)
+def test_bfloat16_traces_halve_memory_and_stay_close(make: Any) -> None:
+    brainstate.environ.set(precision=32)
+    model, x = build(LeakyTanhReadout, 3, 8, batch=4)
+    graph, state, xs, ts = problem(model, x, T=24)
+    full, low = make(None), make("bfloat16")
+    t_full, t_low = full.init(graph, state), low.init(graph, state)
+
+    def float_bytes(tree: Any) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating))
+
+    assert all(
+        a.dtype == jnp.bfloat16
+        for a in jax.tree.leaves(t_low)
+        if jnp.issubdtype(a.dtype, jnp.floating)
+    )
+    assert 2 * float_bytes(t_low) == float_bytes(t_full)
+    g_full, _ = etrax.online_grad(graph, full, state, t_full, xs, ts, mse)
+    g_low, aux_low = etrax.online_grad(graph, low, state, t_low, xs, ts, mse)
+    assert str(jax.tree.structure(aux_low["traces"])) == str(jax.tree.structure(t_low))
+    assert all(
+        a.dtype == b.dtype
+        for a, b in zip(jax.tree.leaves(aux_low["traces"]), jax.tree.leaves(t_low), strict=True)
+    )
+    for p in g_full:
+        assert jax.tree.map(lambda g: g.dtype, g_low[p]) == jax.tree.map(
+            lambda g: g.dtype, g_full[p]
+        )
+        assert rel(g_low[p], g_full[p]) < 3e-2, p
