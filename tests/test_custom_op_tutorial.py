@@ -6,10 +6,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-
-import brainstate
 from typing import Any
 
+import brainstate
 import jax
 import jax.numpy as jnp
 import pytest

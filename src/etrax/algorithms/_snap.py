@@ -79,7 +79,7 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
     group = graph.hidden_groups[index]
     P = int(np.prod(group.varshape, dtype=np.int64))
     S = group.num_state
-    if (P * S) ** 2 > max_elements:
+    if max_elements < (P * S) ** 2:
         raise CompilationError(
             f"SnAp probes hidden group {index}'s transition Jacobian ({P * S}² = "
             f"{(P * S) ** 2} elements), more than max_elements={max_elements}; raise "
