@@ -55,16 +55,29 @@ ROTATING: tuple[_Algorithm, ...] = (
     ("EProp()", lambda: etrax.EProp()),
 )
 ALGORITHMS = (BASE, *ROTATING)
+WHOLE_TRANSITION: tuple[_Algorithm, ...] = (
+    ("OSTLRecurrent()", lambda: etrax.OSTLRecurrent()),
+    ("SnAp(2)", lambda: etrax.SnAp(2)),
+    ("UORO(key(0))", lambda: etrax.UORO(jax.random.key(0))),
+)
+"""Rules that differentiate the whole transition each step (forward-mode passes of the
+model run eagerly): checked on every twentieth model, in turn."""
 
 
 def algorithms_for(seed: int) -> tuple[_Algorithm, ...]:
     """One online rule per model, in turn (``seed % 4``): per-step D-RTRL, chunked
-    D-RTRL, pp-prop and e-prop each check 50 of the 200 models.
+    D-RTRL, pp-prop and e-prop each check 47 or 48 of the 200 models; every twentieth
+    model (``seed % 20 == 19``) is checked with one of OSTL (coupled scope), SnAp-2 and
+    UORO instead, 3 or 4 models each (they run the model's whole-transition
+    derivatives eagerly, several times the cost of the others; `test_rules.py` and
+    `test_uses.py` check them on hand-written models).
 
     Each rule is a separate eager run of the online step, the bulk of this file's
     cost; the structure families (``seed % 5``) are independent of the rotation, so
     every rule meets every family.
     """
+    if seed % 20 == 19:
+        return (WHOLE_TRANSITION[(seed // 20) % len(WHOLE_TRANSITION)],)
     return (ALGORITHMS[seed % len(ALGORITHMS)],)
 
 

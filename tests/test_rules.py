@@ -382,3 +382,169 @@ def test_bfloat16_traces_halve_memory_and_stay_close(make: Any) -> None:
             lambda g: g.dtype, g_full[p]
         )
         assert rel(g_low[p], g_full[p]) < 3e-2, p
+
+
+# --- coupled and sparse scopes (OSTL, SnAp) -------------------------------------------------
+
+
+class ChainRNN(brainstate.nn.Module):
+    """``h ← tanh(x W + h (U ⊙ M))`` with a chain mask ``M`` (unit ``q`` reads ``q`` and
+    ``q − 1``): a sparse recurrent weight whose position graph has diameter ``n − 1``."""
+
+    def __init__(self, n_in: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.win = etrax.nn.Linear(n_in, n)
+        dtype = brainstate.environ.dftype()
+        self.u = brainstate.ParamState(0.6 * jax.random.normal(jax.random.key(5), (n, n), dtype))
+        self.mask = jnp.eye(n, dtype=dtype) + jnp.eye(n, k=1, dtype=dtype)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
+        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
+
+    def update(self, x: ArrayLike) -> Array:
+        self.h.value = jnp.tanh(self.win(x) + self.h.value @ (self.u.value * self.mask))
+        return self.h.value
+
+
+def _max_rel(got: dict[Path, Any], ref: dict[Path, Any]) -> float:
+    return max(rel(got[p], ref[p]) for p in ref)
+
+
+@pytest.mark.parametrize("batch", [None, 2])
+def test_snap_is_full_rtrl_on_a_dense_recurrent_weight(batch: int | None) -> None:
+    """A dense recurrent weight reaches every position in one hop: SnAp-2 equals BPTT;
+    SnAp-1 does not, and equals OSTLRecurrent (two separate kernels)."""
+    from .models import TanhRNN
+
+    model, x = build(TanhRNN, 3, 4, batch=batch)
+    graph, state, xs, ts = problem(model, x, T=6)
+    ref = bptt_grads(model, state, xs, ts, mse)
+    snap2 = online(etrax.SnAp(2), graph, state, xs, ts)
+    assert _max_rel(snap2, ref) < TOL
+    snap1 = online(etrax.SnAp(1), graph, state, xs, ts)
+    ostl = online(etrax.OSTLRecurrent(), graph, state, xs, ts)
+    assert _max_rel(snap1, ostl) < TOL
+    assert _max_rel(snap1, ref) > 1e-2
+    drtrl = online(etrax.DRTRL(chunk_steps=1), graph, state, xs, ts)
+    assert _max_rel(ostl, drtrl) > 1e-3  # the coupled block differs from D-RTRL's D
+    # the traces cover one batch entry's positions: no op mixes the batch axis
+    traces = etrax.SnAp(2).init(graph, state)
+    widths = {a.shape[-2] for a in jax.tree.leaves(traces)}
+    assert widths == {4}
+
+
+def test_snap_follows_a_sparse_pattern() -> None:
+    model, x = build(ChainRNN, 3, 6)
+    graph, state, xs, ts = problem(model, x, T=7)
+    ref = bptt_grads(model, state, xs, ts, mse)
+    assert _max_rel(online(etrax.SnAp(6), graph, state, xs, ts), ref) < TOL  # diameter 5
+    assert _max_rel(online(etrax.SnAp(5), graph, state, xs, ts), ref) > 1e-6
+    traces = etrax.SnAp(3).init(graph, state)
+    shapes = [a.shape for a in jax.tree.leaves(traces)]
+    # (NB, [I,] O, K, S): each entry covers its own and the next two positions
+    assert sorted(shapes) == sorted([(1, 6, 3, 1), (1, 3, 6, 3, 1), (1, 6, 6, 3, 1)]), shapes
+
+
+def test_scope_errors() -> None:
+    with pytest.raises(ValueError, match="needs the Jacobian recursion"):
+        etrax.LearningRule(etrax.PerParameter(), etrax.ScalarLeak(0.5), etrax.Coupled())
+    with pytest.raises(ValueError, match="axes factorisation and scope"):
+        etrax.LearningRule(etrax.InputOutput(0.5), scope=etrax.Sparse(2))
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        etrax.Sparse(0)
+    model, x = build(ChainRNN, 3, 6)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    tiny = etrax.LearningRule(etrax.PerParameter(), scope=etrax.Coupled(max_elements=10))
+    with pytest.raises(etrax.CompilationError, match="max_elements=10"):
+        tiny.init(graph, state)
+    capped = etrax.LearningRule(etrax.PerParameter(), scope=etrax.Sparse(3, max_trace_elements=20))
+    with pytest.raises(etrax.CompilationError, match="max_trace_elements=20"):
+        capped.init(graph, state)
+
+
+# --- UORO -----------------------------------------------------------------------------------
+
+
+def _uoro_grads(
+    graph: etrax.ETraceGraph, state: etrax.ModelState, xs: Array, ts: Array, keys: int
+) -> np.ndarray:
+    out = []
+    for k in range(keys):
+        rule = etrax.UORO(jax.random.key(k))
+        g = online(rule, graph, state, xs, ts)
+        out.append(np.concatenate([np.ravel(a) for p in sorted(g) for a in jax.tree.leaves(g[p])]))
+    return np.asarray(out)
+
+
+def test_uoro_is_exact_at_one_step_and_unbiased() -> None:
+    from .models import TanhRNN
+
+    model, x = build(TanhRNN, 3, 4)
+    graph, state, xs, ts = problem(model, x, T=4)
+    ref_1 = bptt_grads(model, state, xs[:1], ts[:1], mse)
+    one = online(etrax.UORO(jax.random.key(7)), graph, state, xs[:1], ts[:1])
+    assert _max_rel(one, ref_1) < TOL
+    ref = bptt_grads(model, state, xs, ts, mse)
+    flat_ref = np.concatenate([np.ravel(a) for p in sorted(ref) for a in jax.tree.leaves(ref[p])])
+    samples = _uoro_grads(graph, state, xs, ts, 1600)
+
+    def err(block: np.ndarray) -> float:
+        return float(np.linalg.norm(block.mean(axis=0) - flat_ref) / np.linalg.norm(flat_ref))
+
+    # the mean over K keys converges like 1/√K: 16× the keys, about 4× smaller error
+    err_100 = float(np.sqrt(np.mean([err(b) ** 2 for b in samples.reshape(16, 100, -1)])))
+    err_1600 = err(samples)
+    assert 2.0 < err_100 / err_1600 < 8.0, (err_100, err_1600)
+    assert err_1600 < 0.1
+
+
+class TwoStateRNN(brainstate.nn.Module):
+    """``c ← 0.9 c + tanh(x W + h U)``, ``h ← tanh(c)``: S = 2 states per position."""
+
+    def __init__(self, n_in: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.win = etrax.nn.Linear(n_in, n)
+        self.rec = etrax.nn.Linear(n, n, b_init=None)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        dtype = brainstate.environ.dftype()
+        self.h = brainstate.HiddenState(jnp.zeros((self.n,), dtype))
+        self.c = brainstate.HiddenState(jnp.zeros((self.n,), dtype))
+
+    def update(self, x: ArrayLike) -> Array:
+        self.c.value = 0.9 * self.c.value + jnp.tanh(self.win(x) + self.rec(self.h.value))
+        self.h.value = jnp.tanh(self.c.value)
+        return self.h.value
+
+
+def _largest_intermediate(
+    rule: etrax.OnlineAlgorithm[Any], graph: etrax.ETraceGraph, state: etrax.ModelState, x: Array
+) -> int:
+    xs, ts = x[None], jnp.zeros((1, 8), x.dtype)
+    jaxpr = jax.make_jaxpr(
+        lambda s: etrax.online_grad(graph, rule, s, rule.init(graph, s), xs, ts, mse)
+    )(state)
+
+    def sizes(jp: Any) -> list[int]:
+        out = [int(np.prod(v.aval.shape)) for e in jp.eqns for v in e.outvars]
+        for e in jp.eqns:
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                out.extend(sizes(sub))
+        return out
+
+    return max(sizes(jaxpr.jaxpr))
+
+
+def test_uoro_never_forms_the_full_jacobian() -> None:
+    model, x = build(TwoStateRNN, 3, 8)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    assert graph.hidden_groups[0].num_state == 2
+    full = (8 * 2) ** 2
+    assert _largest_intermediate(etrax.UORO(jax.random.key(0)), graph, state, x) < full
+    # negative control: the coupled scope does form it
+    assert _largest_intermediate(etrax.OSTLRecurrent(), graph, state, x) >= full

@@ -204,6 +204,9 @@ ALGOS: dict[str, Callable[[], etrax.OnlineAlgorithm[Any]]] = {
     "eprop": lambda: etrax.EProp(kappa=0.5),
     "scalar-leak": lambda: etrax.LearningRule(etrax.PerParameter(), etrax.ScalarLeak(0.5)),
     "ostl-feedforward": lambda: etrax.OSTLFeedforward(),
+    "ostl-recurrent": lambda: etrax.OSTLRecurrent(),
+    "snap-2": lambda: etrax.SnAp(2),
+    "uoro": lambda: etrax.UORO(jax.random.key(0)),
 }
 
 MODELS: dict[str, Callable[[], brainstate.nn.Module]] = {

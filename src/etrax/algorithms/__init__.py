@@ -2,6 +2,7 @@
 (D-RTRL, pp-prop, e-prop, …) and the sequence drivers."""
 
 from ._axes import (
+    Coupled,
     Diagonal,
     Filter,
     Jacobian,
@@ -14,6 +15,7 @@ from ._axes import (
     ScalarLeak,
     Scope,
     Signal,
+    Sparse,
     Symmetric,
 )
 from ._base import EffGrads, OnlineAlgorithm
@@ -28,14 +30,28 @@ from ._drivers import bptt_grad, online_grad
 from ._drtrl import ParamTraces, PerParameter
 from ._learner import OnlineLearner, compile
 from ._pp import InputOutput, IOTraces
-from ._presets import DRTRL, ESDRTRL, PRESETS, EProp, OSTLFeedforward, PPProp, ThreeFactor
+from ._presets import (
+    DRTRL,
+    ESDRTRL,
+    PRESETS,
+    UORO,
+    EProp,
+    OSTLFeedforward,
+    OSTLRecurrent,
+    PPProp,
+    SnAp,
+    ThreeFactor,
+)
 from ._rule import LearningRule, TraceFactorisation
+from ._uoro import ProjectionTraces, RandomProjection
 from ._weights import operand_values, operands_to_params
 
 __all__ = [
     "DRTRL",
     "ESDRTRL",
     "PRESETS",
+    "UORO",
+    "Coupled",
     "Diagonal",
     "EProp",
     "EffGrads",
@@ -50,17 +66,22 @@ __all__ = [
     "NoFilter",
     "NoRecursion",
     "OSTLFeedforward",
+    "OSTLRecurrent",
     "OnlineAlgorithm",
     "OnlineLearner",
     "PPProp",
     "ParamCheck",
     "ParamTraces",
     "PerParameter",
+    "ProjectionTraces",
     "RandomFeedback",
+    "RandomProjection",
     "Recursion",
     "ScalarLeak",
     "Scope",
     "Signal",
+    "SnAp",
+    "Sparse",
     "Symmetric",
     "ThreeFactor",
     "TraceFactorisation",

@@ -6,7 +6,8 @@ A `LearningRule` is one point on these axes (see `etrax.algorithms.LearningRule`
   `_drtrl.py` / `_pp.py`;
 - *temporal recursion* (`Jacobian`, `ScalarLeak`, `NoRecursion`): what carries a
   trace from one step to the next;
-- *recurrence scope* (`Diagonal`): which part of the transition the recursion uses;
+- *recurrence scope* (`Diagonal`, `Coupled`, `Sparse`): which part of the transition
+  the recursion uses;
 - *learning signal* (`Symmetric`, `RandomFeedback`, `Modulatory`): what the traces
   are contracted with;
 - *trace filter* (`NoFilter`, `Kappa`): an optional low-pass filter of the traces.
@@ -22,11 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
+from .._errors import CompilationError
 from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
+from ._snap import gather_transition, neighbourhood
 
 __all__ = [
+    "Coupled",
     "Diagonal",
     "Filter",
     "Jacobian",
@@ -39,6 +43,7 @@ __all__ = [
     "ScalarLeak",
     "Scope",
     "Signal",
+    "Sparse",
     "Symmetric",
 ]
 
@@ -67,7 +72,7 @@ class Recursion(eqx.Module):
 
     def apply(self, jac: StepJacobians) -> StepJacobians:
         """`jac` with every group's ``D`` replaced by `transition`."""
-        return StepJacobians(jac.x, jac.df, tuple(self.transition(D) for D in jac.D))
+        return StepJacobians(jac.x, jac.df, tuple(self.transition(D) for D in jac.D), jac.point)
 
 
 class Jacobian(Recursion):
@@ -115,6 +120,19 @@ class Scope(eqx.Module):
     def label(self) -> str:
         """A short name for reports."""
 
+    @property
+    @abc.abstractmethod
+    def needs_point(self) -> bool:
+        """Whether the rule needs each step's `StepPoint` (the whole transition)."""
+
+    @abc.abstractmethod
+    def transitions(self, graph: ETraceGraph, jac: StepJacobians) -> StepJacobians:
+        """`jac` with each group's ``D`` replaced by this scope's transition."""
+
+    @abc.abstractmethod
+    def check(self, graph: ETraceGraph) -> None:
+        """Raise `CompilationError` if this scope cannot run on `graph`."""
+
 
 class Diagonal(Scope):
     """The element-wise transition of each group, per position: a recurrent weight op
@@ -123,6 +141,116 @@ class Diagonal(Scope):
     @property
     def label(self) -> str:
         return "diagonal"
+
+    @property
+    def needs_point(self) -> bool:
+        return False
+
+    def transitions(self, graph: ETraceGraph, jac: StepJacobians) -> StepJacobians:
+        return jac
+
+    def check(self, graph: ETraceGraph) -> None:
+        return None
+
+
+def _check_size(graph: ETraceGraph, max_elements: int, owner: str) -> None:
+    for g in graph.hidden_groups:
+        n = (int(np.prod(g.varshape, dtype=np.int64)) * g.num_state) ** 2
+        if n > max_elements:
+            raise CompilationError(
+                f"{owner}: hidden group {g.index}'s whole transition Jacobian has {n} elements "
+                f"(varshape {g.varshape}, S = {g.num_state}), more than max_elements="
+                f"{max_elements}; raise max_elements or use the Diagonal scope"
+            )
+
+
+def _full(graph: ETraceGraph, jac: StepJacobians, index: int) -> Array:
+    if jac.point is None:
+        raise ValueError("this scope needs StepJacobians.point (the drivers attach it)")
+    return jac.point.transition_jacobian(graph, index)
+
+
+class Coupled(Scope):
+    """Each group's whole transition, weight ops included, per position: ``D`` becomes
+    the true per-position block of ``∂h^t/∂h^{t-1}`` (OSTL for recurrent networks;
+    equal to SnAp-1). Cross-position terms are still dropped.
+
+    The block is read from the group's full transition Jacobian, which costs
+    ``P·S`` forward-mode passes of the step per step (``P`` positions, ``S`` states).
+
+    **Arguments:**
+
+    - `max_elements`: the largest full Jacobian (``(P·S)²`` elements) allowed; a larger
+      group is a `CompilationError` when the traces are created.
+    """
+
+    max_elements: int = eqx.field(static=True, default=2**24)
+
+    @property
+    def label(self) -> str:
+        return "coupled"
+
+    @property
+    def needs_point(self) -> bool:
+        return True
+
+    def check(self, graph: ETraceGraph) -> None:
+        _check_size(graph, self.max_elements, "the coupled scope")
+
+    def transitions(self, graph: ETraceGraph, jac: StepJacobians) -> StepJacobians:
+        blocks = []
+        for g, D in zip(graph.hidden_groups, jac.D, strict=True):
+            P = int(np.prod(g.varshape, dtype=np.int64))
+            S = g.num_state
+            J = _full(graph, jac, g.index).reshape(P, S, P, S)
+            diag = jnp.arange(P)
+            blocks.append(J[diag, :, diag, :].reshape(D.shape))
+        return StepJacobians(jac.x, jac.df, tuple(blocks), jac.point)
+
+
+class Sparse(Scope):
+    """SnAp-n: per-parameter traces over the positions each weight entry reaches in
+    fewer than ``n`` steps of the group's whole transition (``n − 1`` hops of its
+    position graph: a dense recurrent weight reaches every position of its batch entry
+    in one hop, a sparse one follows its pattern). ``n = 1`` is the coupled scope;
+    once ``n − 1`` reaches the position graph's diameter the traces are full
+    within-group RTRL (Menick et al. 2021).
+
+    **Arguments:**
+
+    - `n`: the neighbourhood's steps, ``≥ 1``.
+    - `max_elements`: the largest full transition Jacobian (``(P·S)²``) allowed.
+    - `max_trace_elements`: the largest trace (over all weights) allowed; past it,
+      creating the traces is a `CompilationError`.
+    """
+
+    n: int = eqx.field(static=True)
+    max_elements: int = eqx.field(static=True, default=2**24)
+    max_trace_elements: int = eqx.field(static=True, default=2**26)
+
+    def __check_init__(self) -> None:
+        n: object = self.n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Sparse: n must be an int >= 1, got {self.n!r}")
+
+    @property
+    def label(self) -> str:
+        return f"sparse-{self.n}"
+
+    @property
+    def needs_point(self) -> bool:
+        return True
+
+    def check(self, graph: ETraceGraph) -> None:
+        _check_size(graph, self.max_elements, f"the sparse-{self.n} scope")
+
+    def transitions(self, graph: ETraceGraph, jac: StepJacobians) -> StepJacobians:
+        out = []
+        for g in graph.hidden_groups:
+            P = int(np.prod(g.varshape, dtype=np.int64))
+            hood = neighbourhood(graph, g.index, self.n, self.max_elements)
+            out.append(gather_transition(_full(graph, jac, g.index), hood, P, g.num_state))
+        return StepJacobians(jac.x, jac.df, tuple(out), jac.point)
 
 
 # --- learning signal -------------------------------------------------------------------------

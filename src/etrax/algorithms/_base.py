@@ -117,6 +117,12 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
 
     @property
     @abc.abstractmethod
+    def needs_point(self) -> bool:
+        """Whether each step's `StepJacobians` must carry its `StepPoint` (the state
+        before the step and its arguments), for rules that use the whole transition."""
+
+    @property
+    @abc.abstractmethod
     def symmetric(self) -> bool:
         """Whether the learning signal is the true ``∂L/∂h`` (windows need it)."""
 

@@ -17,6 +17,7 @@ from ..compiler import ETraceGraph
 from ..executor import (
     ModelState,
     StepJacobians,
+    StepPoint,
     as_args,
     check_sequence_length,
     fast_check_inputs,
@@ -54,6 +55,7 @@ def _step_grads(
     x: Any,
     target: Any,
     loss_fn: LossFn,
+    with_point: bool = False,
 ) -> tuple[
     Array, ModelState, StepJacobians, tuple[Array, ...], tuple[Array, ...], list[Array], PyTree
 ]:
@@ -78,6 +80,8 @@ def _step_grads(
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
     olds = tuple(hp.perturb_data_to_hidden_group_data(g_old, groups))
     jac = step_jacobians(graph, step_env(graph, flat, hidden, hoisted))
+    if with_point:  # the whole transition, for rules beyond the diagonal scope
+        jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(state, as_args(graph, x)))
     return loss, next_state(graph, state, hidden, other), jac, signals, olds, list(g_use), cot
 
 
@@ -173,7 +177,9 @@ def _online_impl(
     def signal_step(carry: Any, inp: Any) -> Any:
         st, acc_pi, acc_sub = carry
         x, tgt, mod = inp
-        loss, st, jac, sig, old, g_pi, cot = _step_grads(graph, st, x, tgt, loss_fn)
+        loss, st, jac, sig, old, g_pi, cot = _step_grads(
+            graph, st, x, tgt, loss_fn, algo.needs_point
+        )
         # the within-step traced part that the instantaneous gradient also holds is
         # counted with the true signal; the traces then learn from the rule's signal
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
@@ -234,7 +240,10 @@ def _window_impl(
         def window_loss(params: PathDict[PyTree], hidden: PathDict[PyTree]) -> Any:
             def body(s: ModelState, a: Any) -> Any:
                 x, t = a
-                out, s2, jac = step_pure(graph, s, as_args(graph, x), False)
+                args = as_args(graph, x)
+                out, s2, jac = step_pure(graph, s, args, False)
+                if algo.needs_point:
+                    jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(s, args))
                 return s2, (loss_fn(out, t), jac)
 
             s_end, (losses, jacs) = jax.lax.scan(

@@ -9,13 +9,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._errors import CompilationError
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
-from ._axes import Diagonal, Kappa
+from ._axes import Coupled, Diagonal, Kappa, Sparse
 from ._base import EffGrads, Weights, scan_chunk
 from ._kernels import drtrl_chunk, drtrl_init, drtrl_solve, drtrl_update
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
+from ._snap import neighbourhood, snap_init, snap_solve, snap_update
 
 __all__ = ["ParamTraces", "PerParameter"]
 
@@ -110,28 +112,66 @@ def _chunk_eps(
     return tuple(new), tuple(out)
 
 
+def _hoods(graph: ETraceGraph, scope: Sparse) -> list[Any]:
+    return [
+        neighbourhood(graph, slot.group, scope.n, scope.max_elements)
+        for slot in plan_of(graph).slots
+    ]
+
+
 class PerParameter(TraceFactorisation[ParamTraces]):
     """A trace per weight entry and hidden state: ``ε ← D ε + x ⊗ df`` per (weight,
     group), contracted with the signal as ``Σ_a L[..., a] ε[..., a]`` (D-RTRL, e-prop).
-    Memory: the weight's size times ``S`` per connected group."""
+    Memory: the weight's size times ``S`` per connected group (times the
+    neighbourhood's width ``K`` under a `Sparse` scope)."""
 
     @property
     def label(self) -> str:
         return "per-parameter"
 
+    @property
+    def reads_transition(self) -> bool:
+        return True
+
+    @property
+    def needs_point(self) -> bool:
+        return False
+
     def validate(self, rule: LearningRule[ParamTraces]) -> None:
-        if not isinstance(rule.scope, Diagonal):
-            raise ValueError(f"{rule.name}: factorisation PerParameter supports scope Diagonal")
+        if not isinstance(rule.scope, Diagonal | Coupled | Sparse):
+            raise ValueError(
+                f"{rule.name}: factorisation PerParameter does not support scope {rule.scope.label}"
+            )
 
     def init(self, graph: ETraceGraph, dtype: Any, rule: LearningRule[ParamTraces]) -> ParamTraces:
-        eps = tuple(drtrl_init(s, dtype) for s in plan_of(graph).slots)
+        slots = plan_of(graph).slots
+        if isinstance(rule.scope, Sparse):
+            hoods = _hoods(graph, rule.scope)
+            eps = tuple(snap_init(s, h, dtype) for s, h in zip(slots, hoods, strict=True))
+            size = sum(a.size for a in jax.tree.leaves(eps))
+            if size > rule.scope.max_trace_elements:
+                raise CompilationError(
+                    f"{rule.name}: the sparse-{rule.scope.n} traces would hold {size} elements, "
+                    f"more than max_trace_elements={rule.scope.max_trace_elements}; use a "
+                    "smaller n, raise the cap, or use the coupled scope"
+                )
+        else:
+            eps = tuple(drtrl_init(s, dtype) for s in slots)
         return ParamTraces(eps, eps if isinstance(rule.filter, Kappa) else None)
 
     def update(
         self, graph: ETraceGraph, traces: ParamTraces, jac: StepJacobians, weights: Weights,
         rule: LearningRule[ParamTraces],
     ) -> ParamTraces:  # fmt: skip
-        eps = _update_eps(graph, traces.eps, jac, weights)
+        if isinstance(rule.scope, Sparse):
+            slots = plan_of(graph).slots
+            hoods = _hoods(graph, rule.scope)
+            eps = tuple(
+                snap_update(s, h, e, jac.x[s.relation], jac.df[s.relation][s.tail], jac.D[s.group])
+                for s, h, e in zip(slots, hoods, traces.eps, strict=True)
+            )
+        else:
+            eps = _update_eps(graph, traces.eps, jac, weights)
         if traces.filtered is None or not isinstance(rule.filter, Kappa):
             return ParamTraces(eps, None)
         kappa = rule.filter.kappa
@@ -143,14 +183,22 @@ class PerParameter(TraceFactorisation[ParamTraces]):
         rule: LearningRule[ParamTraces],
     ) -> EffGrads:  # fmt: skip
         eps = traces.eps if traces.filtered is None else traces.filtered
-        return _solve_eps(graph, eps, signals, weights)
+        if not isinstance(rule.scope, Sparse):
+            return _solve_eps(graph, eps, signals, weights)
+        out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+        slots = plan_of(graph).slots
+        for slot, hood, e in zip(slots, _hoods(graph, rule.scope), eps, strict=True):
+            acc = out[slot.relation]
+            for k, v in snap_solve(slot, hood, e, signals[slot.group]).items():
+                acc[k] = acc[k] + v if k in acc else v
+        return tuple(out)
 
     def chunk(
         self, graph: ETraceGraph, traces: ParamTraces, jacs: StepJacobians,
         signals: Sequence[Array], weights: Weights, olds: Sequence[Array] | None,
         rule: LearningRule[ParamTraces],
     ) -> tuple[ParamTraces, EffGrads]:  # fmt: skip
-        if traces.filtered is None:
+        if traces.filtered is None and not isinstance(rule.scope, Sparse):
             eps, grads = _chunk_eps(graph, traces.eps, jacs, signals, weights, olds)
             return ParamTraces(eps, None), grads
         dtype = jax.tree.leaves(traces.eps)[0].dtype

@@ -14,7 +14,7 @@ from jaxtyping import Array, Int, ScalarLike
 
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
-from ._axes import Diagonal, NoFilter
+from ._axes import Coupled, Diagonal, NoFilter
 from ._base import EffGrads, Weights, scan_chunk
 from ._kernels import map_extra
 from ._plan import plan_of
@@ -101,9 +101,21 @@ class InputOutput(TraceFactorisation[IOTraces]):
     def label(self) -> str:
         return "input/output"
 
+    @property
+    def reads_transition(self) -> bool:
+        return True
+
+    @property
+    def needs_point(self) -> bool:
+        return False
+
     def validate(self, rule: LearningRule[IOTraces]) -> None:
-        if not isinstance(rule.scope, Diagonal):
-            raise ValueError(f"{rule.name}: factorisation InputOutput supports scope Diagonal")
+        if not isinstance(rule.scope, Diagonal | Coupled):
+            raise ValueError(
+                f"{rule.name}: factorisation InputOutput has one output trace per position, so "
+                f"it supports the diagonal and coupled scopes, not {rule.scope.label} (axes "
+                "factorisation and scope)"
+            )
         if not isinstance(rule.filter, NoFilter):
             raise ValueError(
                 f"{rule.name}: a trace filter needs per-parameter traces (axes factorisation "

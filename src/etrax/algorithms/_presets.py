@@ -8,20 +8,34 @@ Each preset returns a `LearningRule`; change a coordinate of one with
 from collections.abc import Callable
 from typing import Any, Literal, SupportsIndex
 
+import jax
 from jaxtyping import PRNGKeyArray, ScalarLike
 
-from ._axes import Kappa, Modulatory, NoFilter, NoRecursion, RandomFeedback, Symmetric
+from ._axes import (
+    Coupled,
+    Kappa,
+    Modulatory,
+    NoFilter,
+    NoRecursion,
+    RandomFeedback,
+    Sparse,
+    Symmetric,
+)
 from ._drtrl import ParamTraces, PerParameter
 from ._pp import InputOutput, IOTraces, steps_from
 from ._rule import LearningRule
+from ._uoro import ProjectionTraces, RandomProjection
 
 __all__ = [
     "DRTRL",
     "ESDRTRL",
     "PRESETS",
+    "UORO",
     "EProp",
     "OSTLFeedforward",
+    "OSTLRecurrent",
     "PPProp",
+    "SnAp",
     "ThreeFactor",
     "by_name",
 ]
@@ -128,6 +142,51 @@ def OSTLFeedforward(*, trace_dtype: Any = None) -> LearningRule[IOTraces]:
     )
 
 
+def OSTLRecurrent(*, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
+    """OSTL for recurrent networks (Bohnstingl et al. 2022): D-RTRL's per-parameter traces
+    with the coupled scope, so ``D`` is the true per-position block of the whole
+    transition, recurrent weight ops included. Equal to SnAp-1.
+
+    Each step computes the groups' whole transition Jacobians (``P·S`` forward-mode
+    passes of the step), so it suits small recurrent groups; groups past the `Coupled`
+    scope's ``max_elements`` are refused when the traces are created.
+    """
+    return LearningRule(
+        PerParameter(), scope=Coupled(), trace_dtype=trace_dtype, name="OSTLRecurrent"
+    )
+
+
+def SnAp(n: int = 2, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
+    """SnAp-n (Menick et al. 2021): per-parameter traces over the positions each weight
+    entry reaches in fewer than ``n`` steps of the whole transition (see `Sparse`).
+    ``n = 1`` equals `OSTLRecurrent`; once ``n − 1`` reaches the position graph's
+    diameter (``n = 2`` for a dense recurrent weight) it is full within-group RTRL.
+
+    **Arguments:**
+
+    - `n`: the neighbourhood's steps, ``≥ 1``.
+    - `trace_dtype`: the dtype traces are stored in (default: the model's).
+    """
+    return LearningRule(PerParameter(), scope=Sparse(n), trace_dtype=trace_dtype, name="SnAp")
+
+
+def UORO(key: PRNGKeyArray, *, trace_dtype: Any = None) -> LearningRule[ProjectionTraces]:
+    """UORO (Tallec & Ollivier 2018): a rank-1 unbiased estimate ``s̃ θ̃ᵀ`` of each
+    group's full RTRL trace, advanced with one JVP of the step per group (the
+    ``(P·S)²`` Jacobian is never formed), with Rademacher noise drawn from `key`.
+    The step's own contribution is exact; the past is estimated (see
+    `RandomProjection`). Memory ``O(P·S + |θ|)`` per group.
+
+    **Arguments:**
+
+    - `key`: the PRNG key of the per-step noise.
+    - `trace_dtype`: the dtype traces are stored in (default: the model's).
+    """
+    return LearningRule(
+        RandomProjection(key), scope=Coupled(), trace_dtype=trace_dtype, name="UORO"
+    )
+
+
 def ThreeFactor(chunk_steps: int = 1, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
     """Three-factor (modulated) learning: D-RTRL's per-parameter traces contracted with
     a modulator passed per step as data (``online_grad(..., modulators=ms)``), in place
@@ -156,7 +215,10 @@ PRESETS: dict[str, Callable[[], LearningRule[Any]]] = {
     "eprop": EProp,
     "e_prop": EProp,
     "ostl_feedforward": OSTLFeedforward,
+    "ostl_recurrent": OSTLRecurrent,
+    "snap": SnAp,
     "three_factor": ThreeFactor,
+    "uoro": lambda: UORO(jax.random.key(0)),
 }
 """The rules `etrax.compile` accepts by name (lower case; ``-`` reads as ``_``)."""
 

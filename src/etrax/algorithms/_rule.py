@@ -51,6 +51,17 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
     def label(self) -> str:
         """A short name for reports and errors."""
 
+    @property
+    @abc.abstractmethod
+    def needs_point(self) -> bool:
+        """Whether the engine needs each step's `StepPoint` (e.g. for JVPs)."""
+
+    @property
+    @abc.abstractmethod
+    def reads_transition(self) -> bool:
+        """Whether the engine reads each group's transition ``D`` (as shaped by the
+        scope); one that applies the whole transition itself does not."""
+
     @abc.abstractmethod
     def validate(self, rule: "LearningRule[TraceT]") -> None:
         """Raise `ValueError` naming the axes if `rule`'s other coordinates do not
@@ -165,6 +176,11 @@ class LearningRule(OnlineAlgorithm[TraceT]):
                     f"(e.g. {_EXAMPLES[axis]}), got {value!r}"
                 )
         check_chunk_steps(self.name, self.chunk_steps)
+        if not isinstance(self.scope, Diagonal) and not isinstance(self.recursion, Jacobian):
+            raise ValueError(
+                f"{self.name}: a {self.scope.label} scope follows the true transition, so it "
+                "needs the Jacobian recursion (axes recursion and scope)"
+            )
         if isinstance(self.filter, Kappa) and self.chunk_steps != 1:
             raise ValueError(
                 f"{self.name}: the Kappa filter runs per step; use chunk_steps=1 (axes filter "
@@ -183,6 +199,10 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         return self.signal.needs_modulator
 
     @property
+    def needs_point(self) -> bool:
+        return self.scope.needs_point or self.factorisation.needs_point
+
+    @property
     def symmetric(self) -> bool:
         return self.signal.symmetric
 
@@ -191,6 +211,8 @@ class LearningRule(OnlineAlgorithm[TraceT]):
 
     def init(self, graph: ETraceGraph, state: ModelState) -> TraceT:
         check_relations(graph, self.name)
+        if self.factorisation.reads_transition:
+            self.scope.check(graph)
         leaves = jax.tree.leaves(state.hidden)
         compute = jnp.result_type(*leaves) if leaves else jnp.float32
         return self.factorisation.init(graph, self._store(compute), self)
@@ -200,9 +222,9 @@ class LearningRule(OnlineAlgorithm[TraceT]):
     ) -> TraceT:
         compute = _jac_dtype(jac)
         up = _cast(traces, compute)
-        new = self.factorisation.update(
-            graph, up, self.recursion.apply(jac), _weights(graph, weights), self
-        )
+        if self.factorisation.reads_transition:
+            jac = self.recursion.apply(self.scope.transitions(graph, jac))
+        new = self.factorisation.update(graph, up, jac, _weights(graph, weights), self)
         return _cast(new, self._store(compute))  # type: ignore[no-any-return]
 
     def eff_grads(
@@ -227,8 +249,12 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         olds: Sequence[Array] | None = None,
     ) -> tuple[TraceT, EffGrads]:
         compute = _jac_dtype(jacs)
+        if self.factorisation.reads_transition:
+            if self.scope.needs_point:
+                jacs = jax.vmap(lambda j: self.scope.transitions(graph, j))(jacs)
+            jacs = self.recursion.apply(jacs)
         new, grads = self.factorisation.chunk(
-            graph, _cast(traces, compute), self.recursion.apply(jacs), signals, weights, olds, self
+            graph, _cast(traces, compute), jacs, signals, weights, olds, self
         )
         return _cast(new, self._store(compute)), grads
 

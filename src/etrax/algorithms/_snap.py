@@ -9,9 +9,12 @@ and drops the rest: SnAp-1 is the coupled scope, and once ``n − 1`` reaches th
 position graph's diameter the traces are full within-group RTRL.
 
 The position graph is probed once per graph and group: the transition's Jacobian at
-a random point (random parameters, hidden values and inputs), whose structurally
-non-zero entries are its edges. A sparse recurrent weight gives its pattern, a dense
-one all-to-all (within each batch entry, which no op mixes).
+three random points (random parameters, hidden values and inputs); an entry that is
+non-zero at any of them is an edge. A sparse recurrent weight gives its pattern, a
+dense one all-to-all (within each batch entry, which no op mixes). A dependence
+whose derivative vanishes on a large region (a ReLU, a surrogate spike function with
+compact support) can be missed at all three points; the traces then drop it, as
+they drop every dependence outside the neighbourhood.
 """
 
 from dataclasses import dataclass
@@ -60,8 +63,8 @@ def _random_point(graph: ETraceGraph, seed: int) -> StepPoint:
     def draw(a: Any) -> Any:
         a = np.asarray(a)
         if not np.issubdtype(a.dtype, np.floating):
-            return a
-        return rng.standard_normal(a.shape).astype(a.dtype)
+            return jnp.asarray(a)
+        return jnp.asarray(rng.standard_normal(a.shape).astype(a.dtype))
 
     live = state_of(graph)
     state = ModelState(
@@ -87,7 +90,7 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
         )
     found = np.zeros((P, P), dtype=bool)
     with jax.ensure_compile_time_eval():
-        for seed in (0, 1):  # two random points: an accidental zero is not an edge
+        for seed in range(3):  # an edge is a dependence at any of three random points
             jac = np.asarray(_random_point(graph, seed).transition_jacobian(graph, index))
             found |= np.abs(jac.reshape(P, S, P, S)).sum(axis=(1, 3)) > 0
     return found | np.eye(P, dtype=bool)

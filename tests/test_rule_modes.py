@@ -1,0 +1,124 @@
+"""Every learning rule gives the same gradients batched in its state, per sample under
+`jax.vmap`, and split over two devices with `jax.shard_map` (float64), and runs with
+windows where its signal allows them."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array
+
+import etrax
+
+from .models import TanhRNN, build
+
+TOL = 1e-10
+B, T = 4, 3
+
+RULES: dict[str, Callable[[], etrax.OnlineAlgorithm[Any]]] = {
+    "drtrl-chunked": lambda: etrax.DRTRL(chunk_steps=2),
+    "pp-prop-chunked": lambda: etrax.PPProp(0.8, chunk_steps=2),
+    "eprop-kappa": lambda: etrax.EProp(kappa=0.5),
+    "eprop-random": lambda: etrax.EProp(feedback="random", key=jax.random.key(2)),
+    "scalar-leak": lambda: etrax.LearningRule(etrax.PerParameter(), etrax.ScalarLeak(0.7)),
+    "ostl-feedforward": lambda: etrax.OSTLFeedforward(),
+    "ostl-recurrent": lambda: etrax.OSTLRecurrent(),
+    "snap-2": lambda: etrax.SnAp(2),
+    "uoro": lambda: etrax.UORO(jax.random.key(3)),
+    "three-factor": lambda: etrax.ThreeFactor(),
+}
+
+
+def mse(y: Array, t: Array) -> Array:
+    return jnp.sum((y - t) ** 2)
+
+
+def P(*names: str | None) -> PartitionSpec:
+    spec: PartitionSpec = PartitionSpec(*names)  # type: ignore[no-untyped-call]  # unannotated
+    return spec
+
+
+def close(a: Any, b: Any) -> None:
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(u, v, rtol=1e-9, atol=TOL)
+
+
+@pytest.fixture(scope="module")
+def setup() -> dict[str, Any]:
+    single, x1 = build(TanhRNN, 3, 4)
+    batched, _ = build(TanhRNN, 3, 4, batch=B)
+    half, _ = build(TanhRNN, 3, 4, batch=B // 2)
+    g1 = etrax.compile_etrace_graph(single, x1)
+    gb = etrax.compile_etrace_graph(batched, jnp.ones((B, 3)))
+    gh = etrax.compile_etrace_graph(half, jnp.ones((B // 2, 3)))
+    s1 = etrax.state_of(g1)
+    h = jax.random.normal(jax.random.key(0), (B, 4))
+    sb = etrax.state_of(gb).replace_params(s1.params).replace_hidden({("h",): h})
+    xs = jax.random.normal(jax.random.key(1), (T, B, 3))
+    ts = jax.random.normal(jax.random.key(2), (T, B, 4))
+    ms = jax.random.normal(jax.random.key(3), (T, B, 4, 1))
+    return {"g1": g1, "gb": gb, "gh": gh, "s1": s1, "sb": sb, "xs": xs, "ts": ts, "ms": ms}
+
+
+def _kw(rule: etrax.OnlineAlgorithm[Any], ms: Array) -> dict[str, Any]:
+    return {"modulators": ms} if rule.needs_modulator else {}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_rule_batched_vmapped_and_sharded_agree(setup: dict[str, Any], name: str) -> None:
+    rule = RULES[name]()
+    g1, gb, gh, s1, sb = setup["g1"], setup["gb"], setup["gh"], setup["s1"], setup["sb"]
+    # UORO draws its noise over the whole (batched) group, so only its exact first step
+    # is the same in every mode
+    steps = 1 if name == "uoro" else T
+    xs, ts, ms = setup["xs"][:steps], setup["ts"][:steps], setup["ms"][:steps]
+
+    def run(graph: etrax.ETraceGraph, state: etrax.ModelState, x: Array, t: Array, m: Array) -> Any:
+        grads, _ = etrax.online_grad(
+            graph, rule, state, rule.init(graph, state), x, t, mse, **_kw(rule, m)
+        )
+        return dict(grads)
+
+    batched = run(gb, sb, xs, ts, ms)
+
+    def per_sample(h: Array, x: Array, t: Array, m: Array) -> Any:
+        return run(g1, s1.replace_hidden({("h",): h}), x, t, m)
+
+    mapped = jax.vmap(per_sample, in_axes=(0, 1, 1, 1))(sb.hidden[("h",)], xs, ts, ms)
+    close({p: jax.tree.map(lambda g: g.sum(0), v) for p, v in mapped.items()}, batched)
+
+    if name == "uoro":  # the noise is drawn per device
+        return
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    s_half = etrax.state_of(gh)
+
+    def shard(params: Any, h: Any, x: Array, t: Array, m: Array) -> Any:
+        state = etrax.ModelState(params, h, s_half.other)
+        return jax.lax.psum(run(gh, state, x, t, m), "data")  # type: ignore[no-untyped-call]  # unannotated in JAX
+
+    sharded = jax.jit(
+        jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P(None, "data"), P(None, "data"), P(None, "data")),
+            out_specs=P(),
+        )
+    )(sb.params, sb.hidden, xs, ts, ms)
+    close(sharded, batched)
+
+
+@pytest.mark.parametrize("name", [n for n in RULES if RULES[n]().symmetric])
+def test_symmetric_rules_run_with_windows(setup: dict[str, Any], name: str) -> None:
+    """With one window over the whole sequence every rule with the true signal equals
+    BPTT; with shorter windows it runs, batched and per sample alike."""
+    rule = RULES[name]()
+    gb, sb, xs, ts = setup["gb"], setup["sb"], setup["xs"], setup["ts"]
+    ref, _ = etrax.bptt_grad(gb, sb, xs, ts, mse)
+    full, _ = etrax.online_grad(gb, rule, sb, rule.init(gb, sb), xs, ts, mse, window=T)
+    close(dict(full), dict(ref))
+    short, _ = etrax.online_grad(gb, rule, sb, rule.init(gb, sb), xs, ts, mse, window=2)
+    assert set(short) == set(ref)
