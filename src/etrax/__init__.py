@@ -36,9 +36,11 @@ from ._errors import (
 )
 from ._pathdict import PathDict
 from .algorithms import (
+    DNI,
     DRTRL,
     ESDRTRL,
     UORO,
+    Bootstrapped,
     Coupled,
     Diagonal,
     EProp,
@@ -66,6 +68,7 @@ from .algorithms import (
     SnAp,
     Sparse,
     Symmetric,
+    SyntheticGradient,
     ThreeFactor,
     bptt_grad,
     check_gradients,
@@ -110,6 +113,7 @@ from .executor import (
     MultiStepData,
     Pullback,
     StepJacobians,
+    StepPoint,
     forward,
     multi_step,
     state_of,
@@ -171,9 +175,11 @@ _exclude_from_locations(
 )
 
 __all__ = [
+    "DNI",
     "DRTRL",
     "ESDRTRL",
     "UORO",
+    "Bootstrapped",
     "CompilationError",
     "CompilationRecord",
     "CompilationReport",
@@ -232,7 +238,9 @@ __all__ = [
     "StateShapeChangedError",
     "StepInputError",
     "StepJacobians",
+    "StepPoint",
     "Symmetric",
+    "SyntheticGradient",
     "ThreeFactor",
     "UseRule",
     "WeightNotFloatError",

@@ -2,6 +2,7 @@
 (D-RTRL, pp-prop, e-prop, …) and the sequence drivers."""
 
 from ._axes import (
+    Bootstrapped,
     Coupled,
     Diagonal,
     Filter,
@@ -26,11 +27,13 @@ from ._check import (
     compare_gradients,
     t1_tolerance,
 )
+from ._dni import SyntheticGradient
 from ._drivers import bptt_grad, online_grad
 from ._drtrl import ParamTraces, PerParameter
 from ._learner import OnlineLearner, compile
 from ._pp import InputOutput, IOTraces
 from ._presets import (
+    DNI,
     DRTRL,
     ESDRTRL,
     PRESETS,
@@ -47,10 +50,12 @@ from ._uoro import ProjectionTraces, RandomProjection
 from ._weights import operand_values, operands_to_params
 
 __all__ = [
+    "DNI",
     "DRTRL",
     "ESDRTRL",
     "PRESETS",
     "UORO",
+    "Bootstrapped",
     "Coupled",
     "Diagonal",
     "EProp",
@@ -83,6 +88,7 @@ __all__ = [
     "SnAp",
     "Sparse",
     "Symmetric",
+    "SyntheticGradient",
     "ThreeFactor",
     "TraceFactorisation",
     "bptt_grad",

@@ -30,6 +30,7 @@ from ..executor import StepJacobians
 from ._snap import gather_transition, neighbourhood
 
 __all__ = [
+    "Bootstrapped",
     "Coupled",
     "Diagonal",
     "Filter",
@@ -273,6 +274,11 @@ class Signal(eqx.Module):
     def symmetric(self) -> bool:
         """Whether the signal is the true ``∂L/∂h`` (required by windowed learning)."""
 
+    @property
+    def synthetic_rate(self) -> float | None:
+        """The synthesiser's learning rate, for a bootstrapped signal (else `None`)."""
+        return None
+
     @abc.abstractmethod
     def signals(
         self,
@@ -443,6 +449,54 @@ class Modulatory(Signal):
                 ) from None
             out.append(full.astype(sym.dtype))
         return tuple(out), _zeros(olds)
+
+
+class Bootstrapped(Signal):
+    """Synthetic gradients (DNI, Jaderberg et al. 2017): inside each window the true
+    ``∂L/∂h``; at each window's exit a `SyntheticGradient` predicts the cotangent the
+    rest of the sequence would send back, which reaches the parameters no relation
+    traces (the traces already carry cross-window credit for the traced ones). The
+    synthesiser trains itself by bootstrapping, one gradient step per window. Needs
+    ``online_grad(..., window=k)``; the last window of each call gets no synthetic
+    cotangent (the call is the sequence's end).
+
+    A trained synthesiser predicts for the loss, window length and input statistics
+    it was trained on; its prediction is linear in the hidden state.
+
+    **Arguments:**
+
+    - `learning_rate`: the synthesiser's step size.
+    """
+
+    learning_rate: float = eqx.field(static=True, default=0.001)
+
+    def __check_init__(self) -> None:
+        if not self.learning_rate > 0:
+            raise ValueError(
+                f"Bootstrapped: learning_rate must be positive, got {self.learning_rate!r}"
+            )
+
+    @property
+    def needs_modulator(self) -> bool:
+        return False
+
+    @property
+    def symmetric(self) -> bool:
+        return True
+
+    @property
+    def synthetic_rate(self) -> float | None:
+        return self.learning_rate
+
+    def signals(
+        self,
+        graph: ETraceGraph,
+        dl_dh: tuple[Array, ...],
+        olds: tuple[Array, ...],
+        dl_dy: PyTree,
+        modulator: PyTree | None,
+    ) -> Signals:
+        return dl_dh, olds
 
 
 # --- trace filter ----------------------------------------------------------------------------

@@ -117,6 +117,12 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
 
     @property
     @abc.abstractmethod
+    def synthetic_rate(self) -> float | None:
+        """The synthesiser's learning rate for a rule with synthetic gradients at window
+        exits (`etrax.DNI`); `None` for every other rule."""
+
+    @property
+    @abc.abstractmethod
     def needs_point(self) -> bool:
         """Whether each step's `StepJacobians` must carry its `StepPoint` (the state
         before the step and its arguments), for rules that use the whole transition."""

@@ -13,7 +13,7 @@ from .._compat import shape_struct, vary_tree
 from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
-from ..compiler import ETraceGraph
+from ..compiler import ETraceGraph, WeightRule
 from ..executor import (
     ModelState,
     StepJacobians,
@@ -31,6 +31,7 @@ from ..executor import (
     step_pure,
 )
 from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, zeros_eff
+from ._dni import SyntheticGradient
 from ._kernels import instant_contribution
 from ._plan import plan_of
 from ._weights import (
@@ -164,9 +165,10 @@ def _online_impl(
     xs: Any,
     targets: Any,
     modulators: PyTree | None,
+    synthesiser: SyntheticGradient | None,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     if window is not None:
-        return _window_impl(graph, loss_fn, window, algo, state, traces, xs, targets)
+        return _window_impl(graph, loss_fn, window, algo, state, traces, xs, targets, synthesiser)
     weights = operand_values(graph, state.params)
     T = jax.tree.leaves(xs)[0].shape[0]
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
@@ -228,14 +230,23 @@ def _window_impl(
     traces: PyTree,
     xs: Any,
     targets: Any,
+    synthesiser: SyntheticGradient | None,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     weights = operand_values(graph, state.params)
     T = jax.tree.leaves(xs)[0].shape[0]
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
+    rate = algo.synthetic_rate
+    untraced = _untraced_paths(graph)
+    # 1 at the steps of every window but the last: where a synthetic cotangent enters
+    n_last = T - ((T - 1) // window) * window
+    later = jnp.concatenate([jnp.ones((T - n_last,), dtype), jnp.zeros((n_last,), dtype)])
+
+    def slabs(hidden: Any) -> list[Array]:
+        return [g.concat_hidden([hidden[p] for p in g.hidden_paths]) for g in graph.hidden_groups]
 
     def run_window(carry: Any, inp: Any) -> Any:
-        st, tr, acc_eff, acc_params = carry
-        xw, tw = inp
+        st, tr, acc_eff, acc_params, synth = carry
+        xw, tw, lw = inp
 
         def window_loss(params: PathDict[PyTree], hidden: PathDict[PyTree]) -> Any:
             def body(s: ModelState, a: Any) -> Any:
@@ -249,29 +260,56 @@ def _window_impl(
             s_end, (losses, jacs) = jax.lax.scan(
                 body, ModelState(params, hidden, st.other), (xw, tw)
             )
-            return jnp.sum(losses), (losses, jacs, s_end)
+            return (jnp.sum(losses), slabs(s_end.hidden)), (losses, jacs, s_end)
 
-        _, vjp_fn, (losses, jacs, s_end) = jax.vjp(window_loss, st.params, st.hidden, has_aux=True)
-        g_params, g_hidden = vjp_fn(jnp.ones((), dtype))
+        (_, exits), vjp_fn, (losses, jacs, s_end) = jax.vjp(
+            window_loss, st.params, st.hidden, has_aux=True
+        )
+        zero_exits = [jnp.zeros_like(e) for e in exits]
+        g_params, g_hidden = vjp_fn((jnp.ones((), dtype), zero_exits))
         signals = [
             g.concat_hidden([g_hidden[p] for p in g.hidden_paths]) for g in graph.hidden_groups
         ]
         acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, signals, weights))
+        if synth is not None and rate is not None:
+            # the synthetic future, pushed back through the window: credit for the
+            # untraced parameters, and (with the true credit) the entry's target
+            synthetic = [lw[-1] * p for p in synth.predict(graph, exits)]
+            s_params, s_hidden = vjp_fn((jnp.zeros((), dtype), synthetic))
+            g_params = PathDict(
+                (p, _add(v, s_params[p]) if p in untraced else v) for p, v in g_params.items()
+            )
+            targets_in = [
+                a + b for a, b in zip(signals, slabs(s_hidden), strict=True)
+            ]  # fmt: skip
+            synth = synth.step(graph, slabs(st.hidden), targets_in, rate)
 
         def advance(t_: Any, jac: StepJacobians) -> Any:
             return algo.update(graph, t_, jac, weights), None
 
         tr, _ = jax.lax.scan(advance, tr, jacs)
-        return (s_end, tr, acc_eff, _add(acc_params, g_params)), losses
+        return (s_end, tr, acc_eff, _add(acc_params, g_params), synth), losses
 
     carry = vary_tree(
-        (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params)), state, xs
+        (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params), synthesiser),
+        state,
+        xs,
     )
-    carry, losses = _scan_blocks(run_window, carry, (xs, targets), window, T)
-    state, traces, acc_eff, acc_params = carry
+    carry, losses = _scan_blocks(run_window, carry, (xs, targets, later), window, T)
+    state, traces, acc_eff, acc_params, synthesiser = carry
     traced = operands_to_params(graph, acc_eff, state.params, weights)
     grads = add_param_grads(traced, acc_params)
-    return grads, {"losses": losses, "state": state, "traces": traces}
+    aux: dict[str, Any] = {"losses": losses, "state": state, "traces": traces}
+    if synthesiser is not None:
+        aux["synthesiser"] = synthesiser
+    return grads, aux
+
+
+def _untraced_paths(graph: ETraceGraph) -> frozenset[Path]:
+    """Parameters not traced by any relation: the ones synthetic gradients add to."""
+    return frozenset(
+        p for p, status in graph.weight_rules().items() if status.rule is not WeightRule.TRACED
+    )
 
 
 _online_jit = jax.jit(_online_impl, static_argnums=(0, 1, 2))
@@ -400,6 +438,7 @@ def online_grad(
     *,
     window: int | None = None,
     modulators: PyTree | None = None,
+    synthesiser: SyntheticGradient | None = None,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over a sequence.
 
@@ -427,6 +466,9 @@ def online_grad(
       the per-step modulators with a leading time axis: each step's slice is one
       array broadcastable to every group's ``(*varshape, S)``, or a tuple with one
       per hidden group. Passed as data, so new values never recompile.
+    - `synthesiser`: for a rule with synthetic gradients (`etrax.DNI`, signal
+      `Bootstrapped`), the `SyntheticGradient` to start from (default: an untrained
+      one); the trained synthesiser is returned as ``aux["synthesiser"]``.
 
     **Returns:** ``(grads, aux)``: `grads` is a `PathDict` shaped like
     ``state.params``; `aux` has ``losses`` ``(T,)``, the final ``state`` and ``traces``.
@@ -458,6 +500,7 @@ def online_grad(
             "that signal by reverse mode; run it without window="
         )
     modulators = _check_modulators(algo, modulators, T)
+    synthesiser = _check_synthesiser(graph, algo, synthesiser, window, state)
     key = ("online", _avals(xs), _avals(targets), loss_fn, _avals(traces), jax.tree.structure(algo))
     if not _seen(graph, key):
         expected = jax.eval_shape(lambda: algo.init(graph, state))
@@ -468,7 +511,43 @@ def online_grad(
             )
         _check_loss(graph, state, xs, targets, loss_fn)
         _remember(graph, key)
-    return _online_jit(graph, loss_fn, window, algo, state, traces, xs, targets, modulators)  # type: ignore[no-any-return]
+    return _online_jit(  # type: ignore[no-any-return]
+        graph, loss_fn, window, algo, state, traces, xs, targets, modulators, synthesiser
+    )
+
+
+def _check_synthesiser(
+    graph: ETraceGraph,
+    algo: OnlineAlgorithm[Any],
+    synthesiser: SyntheticGradient | None,
+    window: int | None,
+    state: ModelState,
+) -> SyntheticGradient | None:
+    """The synthesiser to run with: given or untrained for a rule with synthetic
+    gradients (which needs windows), absent otherwise."""
+    if algo.synthetic_rate is None:
+        if synthesiser is not None:
+            raise ValueError(
+                f"{algo.name} has no synthetic gradients; synthesiser= is for etrax.DNI "
+                "(signal Bootstrapped)"
+            )
+        return None
+    if window is None:
+        raise ValueError(f"{algo.name} predicts the cotangent at each window's exit: pass window=k")
+    if synthesiser is None:
+        dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
+        return SyntheticGradient.zeros(graph, dtype)
+    if not isinstance(synthesiser, SyntheticGradient):
+        raise TypeError(f"synthesiser must be an etrax.SyntheticGradient, got {synthesiser!r}")
+    expected = SyntheticGradient.zeros(graph)
+    if [a.shape for a in jax.tree.leaves(synthesiser)] != [
+        a.shape for a in jax.tree.leaves(expected)
+    ]:
+        raise StepInputError(
+            "synthesiser does not fit this graph's hidden groups: build it with "
+            "etrax.SyntheticGradient.zeros(graph)"
+        )
+    return synthesiser
 
 
 def _check_modulators(algo: OnlineAlgorithm[Any], modulators: PyTree | None, T: int) -> Any:

@@ -12,6 +12,7 @@ import jax
 from jaxtyping import PRNGKeyArray, ScalarLike
 
 from ._axes import (
+    Bootstrapped,
     Coupled,
     Kappa,
     Modulatory,
@@ -27,6 +28,7 @@ from ._rule import LearningRule
 from ._uoro import ProjectionTraces, RandomProjection
 
 __all__ = [
+    "DNI",
     "DRTRL",
     "ESDRTRL",
     "PRESETS",
@@ -187,6 +189,23 @@ def UORO(key: PRNGKeyArray, *, trace_dtype: Any = None) -> LearningRule[Projecti
     )
 
 
+def DNI(learning_rate: float = 0.01, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
+    """Windowed D-RTRL with synthetic gradients (Jaderberg et al. 2017): run it with
+    ``online_grad(..., window=k)``. Inside each window the gradient is exact reverse
+    mode; across windows the traces carry the traced weights' credit, and a linear
+    `SyntheticGradient` predicts the rest of the sequence's cotangent at each
+    window's exit for every other parameter (see `Bootstrapped`).
+
+    **Arguments:**
+
+    - `learning_rate`: the synthesiser's step size.
+    - `trace_dtype`: the dtype traces are stored in (default: the model's).
+    """
+    return LearningRule(
+        PerParameter(), signal=Bootstrapped(learning_rate), trace_dtype=trace_dtype, name="DNI"
+    )
+
+
 def ThreeFactor(chunk_steps: int = 1, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
     """Three-factor (modulated) learning: D-RTRL's per-parameter traces contracted with
     a modulator passed per step as data (``online_grad(..., modulators=ms)``), in place
@@ -218,6 +237,7 @@ PRESETS: dict[str, Callable[[], LearningRule[Any]]] = {
     "ostl_recurrent": OSTLRecurrent,
     "snap": SnAp,
     "three_factor": ThreeFactor,
+    "dni": DNI,
     "uoro": lambda: UORO(jax.random.key(0)),
 }
 """The rules `etrax.compile` accepts by name (lower case; ``-`` reads as ``_``)."""

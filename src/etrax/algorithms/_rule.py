@@ -203,6 +203,10 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         return self.scope.needs_point or self.factorisation.needs_point
 
     @property
+    def synthetic_rate(self) -> float | None:
+        return self.signal.synthetic_rate
+
+    @property
     def symmetric(self) -> bool:
         return self.signal.symmetric
 
