@@ -242,7 +242,7 @@ def test_bad_inputs() -> None:
     with pytest.raises(etrax.StepInputError, match="scalar"):
         etrax.online_grad(graph, algo, state, traces, xs, ts, lambda y, t: (y - t) ** 2)
     with pytest.raises(etrax.StepInputError, match="traces do not match"):
-        etrax.online_grad(graph, etrax.PPProp(0.5), state, traces, xs, ts, mse)
+        etrax.online_grad(graph, etrax.PPProp(0.5), state, traces, xs, ts, mse)  # type: ignore[misc]  # D-RTRL's traces for pp-prop: the error under test
     with pytest.raises(ValueError, match="window"):
         etrax.online_grad(graph, algo, state, traces, xs, ts, mse, window=9)
     with pytest.raises(ValueError, match=r"decay must be in \[0, 1\)"):
@@ -283,7 +283,7 @@ def test_graph_without_relations_is_refused() -> None:
     with pytest.raises(etrax.CompilationError, match="no relations"):
         etrax.DRTRL().init(graph, state)
     with pytest.raises(etrax.CompilationError, match="bptt_grad"):
-        etrax.online_grad(graph, etrax.DRTRL(), state, (), jnp.ones((2, 3)), jnp.ones((2, 4)), mse)
+        etrax.online_grad(graph, etrax.DRTRL(), state, (), jnp.ones((2, 3)), jnp.ones((2, 4)), mse)  # type: ignore[misc]  # no traces: the error under test
 
 
 def test_online_grad_compiles_once() -> None:

@@ -58,7 +58,8 @@ def test_tutorial_gradient_matches_bptt_for_one_step(tutorial: ModuleType) -> No
     graph = etrax.compile_etrace_graph(model, x[0])
     state = etrax.state_of(graph)
     expected, _ = etrax.bptt_grad(graph, state, x, t, tutorial.mse)
-    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.5)):
+    rules: tuple[etrax.OnlineAlgorithm[Any], ...] = (etrax.DRTRL(), etrax.PPProp(decay=0.5))
+    for algo in rules:
         got, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), x, t, tutorial.mse)
         for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
             assert float(jnp.max(jnp.abs(u - v))) <= 1e-12

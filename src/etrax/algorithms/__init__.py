@@ -28,7 +28,7 @@ from ._check import (
     t1_tolerance,
 )
 from ._dni import SyntheticGradient
-from ._drivers import bptt_grad, online_grad
+from ._drivers import BPTTResult, OnlineResult, bptt_grad, online_grad
 from ._drtrl import ParamTraces, PerParameter
 from ._learner import OnlineLearner, compile
 from ._pp import InputOutput, IOTraces
@@ -55,6 +55,7 @@ __all__ = [
     "ESDRTRL",
     "PRESETS",
     "UORO",
+    "BPTTResult",
     "Bootstrapped",
     "Coupled",
     "Diagonal",
@@ -74,6 +75,7 @@ __all__ = [
     "OSTLRecurrent",
     "OnlineAlgorithm",
     "OnlineLearner",
+    "OnlineResult",
     "PPProp",
     "ParamCheck",
     "ParamTraces",

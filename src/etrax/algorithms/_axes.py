@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._errors import CompilationError
 from .._typing import PyTree
@@ -68,7 +68,7 @@ class Recursion(eqx.Module):
     ``ε ← D ε + …`` (``(*varshape, S, S)`` per group)."""
 
     @abc.abstractmethod
-    def transition(self, D: Array) -> Array:
+    def transition(self, D: Float[Array, "*pos S S"]) -> Float[Array, "*pos S S"]:
         """The transition that replaces a group's per-position Jacobian `D`."""
 
     def apply(self, jac: StepJacobians) -> StepJacobians:
@@ -79,7 +79,7 @@ class Recursion(eqx.Module):
 class Jacobian(Recursion):
     """The true per-position Jacobian ``∂h^t/∂h^{t-1}`` (RTRL's recursion)."""
 
-    def transition(self, D: Array) -> Array:
+    def transition(self, D: Float[Array, "*pos S S"]) -> Float[Array, "*pos S S"]:
         return D
 
 
@@ -97,7 +97,7 @@ class ScalarLeak(Recursion):
     def __init__(self, decay: float) -> None:
         self.decay = _unit_interval("ScalarLeak", "decay", decay, closed_low=False)
 
-    def transition(self, D: Array) -> Array:
+    def transition(self, D: Float[Array, "*pos S S"]) -> Float[Array, "*pos S S"]:
         eye = jnp.eye(D.shape[-1], dtype=D.dtype)
         return jnp.broadcast_to(self.decay * eye, D.shape)
 
@@ -106,7 +106,7 @@ class NoRecursion(Recursion):
     """``D = 0``: a trace holds only the current step's contribution (no temporal credit
     through the hidden state)."""
 
-    def transition(self, D: Array) -> Array:
+    def transition(self, D: Float[Array, "*pos S S"]) -> Float[Array, "*pos S S"]:
         return jnp.zeros_like(D)
 
 

@@ -3,7 +3,7 @@ sequence length) and `bptt_grad` (exact backpropagation through time)."""
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +42,74 @@ from ._weights import (
     zeros_like_params,
 )
 
-__all__ = ["bptt_grad", "online_grad"]
+__all__ = ["BPTTResult", "OnlineResult", "bptt_grad", "online_grad"]
 
 LossFn = Callable[[PyTree, PyTree], Array]
+TraceT = TypeVar("TraceT")
+
+
+class OnlineResult(NamedTuple):
+    """What `online_grad` returns: unpacks as ``grads, aux`` (SPEC's contract), and
+    names each part.
+
+    **Arguments:**
+
+    - `grads`: the gradient of every parameter, shaped like ``state.params``.
+    - `aux`: ``losses`` ``(T,)``, the final ``state`` and ``traces``, and (for `DNI`)
+      the trained ``synthesiser``.
+    """
+
+    grads: PathDict[PyTree]
+    aux: dict[str, Any]
+
+    @property
+    def losses(self) -> Array:
+        """The per-step losses, ``(T,)``."""
+        out: Array = self.aux["losses"]
+        return out
+
+    @property
+    def state(self) -> ModelState:
+        """The state after the sequence."""
+        out: ModelState = self.aux["state"]
+        return out
+
+    @property
+    def traces(self) -> Any:
+        """The traces after the sequence (pass them to the next call); of the type the
+        rule's ``init`` returns."""
+        return self.aux["traces"]
+
+    @property
+    def synthesiser(self) -> SyntheticGradient | None:
+        """The trained synthesiser of a rule with synthetic gradients, else `None`."""
+        out: SyntheticGradient | None = self.aux.get("synthesiser")
+        return out
+
+
+class BPTTResult(NamedTuple):
+    """What `bptt_grad` returns: unpacks as ``grads, aux``.
+
+    **Arguments:**
+
+    - `grads`: the exact gradient of every parameter.
+    - `aux`: ``losses`` ``(T,)`` and the final ``state``.
+    """
+
+    grads: PathDict[PyTree]
+    aux: dict[str, Any]
+
+    @property
+    def losses(self) -> Array:
+        """The per-step losses, ``(T,)``."""
+        out: Array = self.aux["losses"]
+        return out
+
+    @property
+    def state(self) -> ModelState:
+        """The state after the sequence."""
+        out: ModelState = self.aux["state"]
+        return out
 
 
 # --- one step with the learning signal and the instantaneous gradient --------------------
@@ -429,9 +494,9 @@ def _remember(graph: ETraceGraph, key: Any) -> None:
 
 def online_grad(
     graph: ETraceGraph,
-    algo: OnlineAlgorithm[Any],
+    algo: OnlineAlgorithm[TraceT],
     state: ModelState,
-    traces: PyTree,
+    traces: TraceT,
     xs: Any,
     targets: Any,
     loss_fn: LossFn,
@@ -439,7 +504,7 @@ def online_grad(
     window: int | None = None,
     modulators: PyTree | None = None,
     synthesiser: SyntheticGradient | None = None,
-) -> tuple[PathDict[PyTree], dict[str, Any]]:
+) -> OnlineResult:
     """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over a sequence.
 
     One `lax.scan` runs the step, the learning signal ``∂L_t/∂h^t``, the trace update
@@ -452,7 +517,7 @@ def online_grad(
     - `graph`: the `ETraceGraph`. Without `window` it must be compiled with the
       hidden perturbation (the default), which supplies ``∂L_t/∂h^t``; with `window`
       the signals come from reverse mode inside each window and it is not needed.
-    - `algo`: an `OnlineAlgorithm` (`DRTRL`, `PPProp`, `EProp`).
+    - `algo`: a learning rule (`DRTRL`, `PPProp`, `EProp`, any `LearningRule`).
     - `state`: the `ModelState` at the start of the sequence.
     - `traces`: the traces at the start (``algo.init(graph, state)``).
     - `xs`, `targets`: per-step inputs and targets with a leading time axis.
@@ -470,8 +535,10 @@ def online_grad(
       `Bootstrapped`), the `SyntheticGradient` to start from (default: an untrained
       one); the trained synthesiser is returned as ``aux["synthesiser"]``.
 
-    **Returns:** ``(grads, aux)``: `grads` is a `PathDict` shaped like
-    ``state.params``; `aux` has ``losses`` ``(T,)``, the final ``state`` and ``traces``.
+    **Returns:** an `OnlineResult`, which unpacks as ``(grads, aux)``: `grads` is a
+    `PathDict` shaped like ``state.params``; `aux` has ``losses`` ``(T,)``, the final
+    ``state`` and ``traces`` (and ``synthesiser`` for `DNI`), also readable as
+    ``result.losses``, ``result.state``, ``result.traces``.
 
     **Raises:** `StepInputError` before tracing for an empty sequence (``T = 0``),
     inputs or targets that do not fit the graph, or targets whose shape or structure
@@ -511,9 +578,10 @@ def online_grad(
             )
         _check_loss(graph, state, xs, targets, loss_fn)
         _remember(graph, key)
-    return _online_jit(  # type: ignore[no-any-return]
+    grads, aux = _online_jit(
         graph, loss_fn, window, algo, state, traces, xs, targets, modulators, synthesiser
     )
+    return OnlineResult(grads, aux)
 
 
 def _check_synthesiser(
@@ -598,12 +666,13 @@ _bptt_jit = jax.jit(_bptt_impl, static_argnums=(0, 1))
 
 def bptt_grad(
     graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn
-) -> tuple[PathDict[PyTree], dict[str, Any]]:
+) -> BPTTResult:
     """Exact gradient of ``Σ_t loss_fn(y_t, target_t)`` by backpropagation through time
     (`jax.grad` over one `lax.scan`): the reference to check an online approximation
     against. Same data contracts as `online_grad`; memory grows with the length.
 
-    **Returns:** ``(grads, aux)`` with ``aux['losses']`` and the final ``aux['state']``.
+    **Returns:** a `BPTTResult`, which unpacks as ``(grads, aux)`` with ``aux['losses']``
+    and the final ``aux['state']`` (also ``result.losses``, ``result.state``).
 
     **Raises:** as `online_grad`.
     """
@@ -613,4 +682,5 @@ def bptt_grad(
     if not _seen(graph, key):
         _check_loss(graph, state, xs, targets, loss_fn)
         _remember(graph, key)
-    return _bptt_jit(graph, loss_fn, state, xs, targets)  # type: ignore[no-any-return]
+    grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets)
+    return BPTTResult(grads, aux)

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, Float
 
 from .._compat import vary_tree
 from ._plan import Slot
@@ -156,7 +156,12 @@ def _generic_update(
 
 
 def drtrl_update(
-    slot: Slot, eps: Trace, x: Array | None, df: Array, D: Array, weights: Mapping[str, Array]
+    slot: Slot,
+    eps: Trace,
+    x: Array | None,
+    df: Float[Array, "*pos S"],
+    D: Float[Array, "*pos S S"],
+    weights: Mapping[str, Array],
 ) -> Trace:
     """One step of the D-RTRL recursion for one slot."""
     if slot.factorized:
@@ -168,7 +173,9 @@ def _weight_shape(slot: Slot, key: str) -> tuple[int, ...]:
     return tuple(slot.eff_shapes[key])
 
 
-def drtrl_solve(slot: Slot, eps: Trace, L: Array, weights: Mapping[str, Array]) -> Trace:
+def drtrl_solve(
+    slot: Slot, eps: Trace, L: Float[Array, "*pos S"], weights: Mapping[str, Array]
+) -> Trace:
     """Effective-operand gradient ``Σ_a solve(L[..., a], ε[..., a])`` of one slot."""
     if slot.factorized:
         Lc = _canon_out(slot, L, 1)

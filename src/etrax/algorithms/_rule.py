@@ -227,7 +227,9 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         compute = _jac_dtype(jac)
         up = _cast(traces, compute)
         if self.factorisation.reads_transition:
-            jac = self.recursion.apply(self.scope.transitions(graph, jac))
+            # the recursion acts on the per-position D; a non-diagonal scope (which
+            # needs the Jacobian recursion) then replaces D by its own transition
+            jac = self.scope.transitions(graph, self.recursion.apply(jac))
         new = self.factorisation.update(graph, up, jac, _weights(graph, weights), self)
         return _cast(new, self._store(compute))  # type: ignore[no-any-return]
 
@@ -254,9 +256,9 @@ class LearningRule(OnlineAlgorithm[TraceT]):
     ) -> tuple[TraceT, EffGrads]:
         compute = _jac_dtype(jacs)
         if self.factorisation.reads_transition:
+            jacs = self.recursion.apply(jacs)
             if self.scope.needs_point:
                 jacs = jax.vmap(lambda j: self.scope.transitions(graph, j))(jacs)
-            jacs = self.recursion.apply(jacs)
         new, grads = self.factorisation.chunk(
             graph, _cast(traces, compute), jacs, signals, weights, olds, self
         )

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, Float
 
 from .._errors import CompilationError
 from ..compiler import ETraceGraph
@@ -143,7 +143,9 @@ def snap_init(slot: Slot, hood: Neighbourhood, dtype: Any) -> Trace:
     return out
 
 
-def gather_transition(full: Array, hood: Neighbourhood, P: int, S: int) -> Array:
+def gather_transition(
+    full: Float[Array, "..."], hood: Neighbourhood, P: int, S: int
+) -> Float[Array, "P K S K S"]:
     """``Jn[p, k, a, l, b] = J[N(p)_k, a, N(p)_l, b]`` (zero on padding), from the full
     ``(*varshape, S, *varshape, S)`` transition."""
     J = full.reshape(P, S, P, S)
@@ -168,7 +170,12 @@ def _factor_inputs(slot: Slot, x: Array | None) -> dict[str, Array | None]:
 
 
 def snap_update(
-    slot: Slot, hood: Neighbourhood, eps: Trace, x: Array | None, df: Array, Jn: Array
+    slot: Slot,
+    hood: Neighbourhood,
+    eps: Trace,
+    x: Array | None,
+    df: Float[Array, "*pos S"],
+    Jn: Float[Array, "P K S K S"],
 ) -> Trace:
     """``ε ← Jn ε + [own] u ⊗ df`` on each position's neighbourhood."""
     K, S = hood.width, slot.num_state
@@ -189,7 +196,7 @@ def snap_update(
     return out
 
 
-def snap_solve(slot: Slot, hood: Neighbourhood, eps: Trace, L: Array) -> Trace:
+def snap_solve(slot: Slot, hood: Neighbourhood, eps: Trace, L: Float[Array, "*pos S"]) -> Trace:
     """``Σ_{k,a} L[N(p)_k, a] ε[..., p, k, a]`` per weight entry."""
     K, S = hood.width, slot.num_state
     flat = L.reshape(-1, S)
