@@ -122,3 +122,40 @@ def test_symmetric_rules_run_with_windows(setup: dict[str, Any], name: str) -> N
     close(dict(full), dict(ref))
     short, _ = etrax.online_grad(gb, rule, sb, rule.init(gb, sb), xs, ts, mse, window=2)
     assert set(short) == set(ref)
+
+
+def test_dni_runs_batched_mapped_and_sharded(setup: dict[str, Any]) -> None:
+    """DNI's synthesiser learns from the batch it sees (a batch mean per step), so the
+    modes differ once it has learned; each mode runs, and with a synthesiser that
+    cannot learn yet (the first window) they agree."""
+    rule = etrax.DNI()
+    g1, gb, gh, s1, sb = setup["g1"], setup["gb"], setup["gh"], setup["s1"], setup["sb"]
+    xs, ts = setup["xs"], setup["ts"]
+
+    def run(graph: etrax.ETraceGraph, state: etrax.ModelState, x: Array, t: Array) -> Any:
+        result = etrax.online_grad(graph, rule, state, rule.init(graph, state), x, t, mse, window=T)
+        return dict(result.grads)
+
+    batched = run(gb, sb, xs, ts)
+    mapped = jax.vmap(
+        lambda h, x, t: run(g1, s1.replace_hidden({("h",): h}), x, t), in_axes=(0, 1, 1)
+    )(sb.hidden[("h",)], xs, ts)
+    close({p: jax.tree.map(lambda g: g.sum(0), v) for p, v in mapped.items()}, batched)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    s_half = etrax.state_of(gh)
+
+    def shard(params: Any, h: Any, x: Array, t: Array) -> Any:
+        state = etrax.ModelState(params, h, s_half.other)
+        return jax.lax.psum(run(gh, state, x, t), "data")  # type: ignore[no-untyped-call]  # unannotated in JAX
+
+    sharded = jax.jit(
+        jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P(None, "data"), P(None, "data")),
+            out_specs=P(),
+        )
+    )(sb.params, sb.hidden, xs, ts)
+    close(sharded, batched)
+    two = etrax.online_grad(gb, rule, sb, rule.init(gb, sb), xs, ts, mse, window=1)
+    assert two.synthesiser is not None and set(two.grads) == set(batched)

@@ -234,6 +234,13 @@ def test_three_factor_modulator_is_data_step_by_step() -> None:
     first = online(rule, graph, state, xs, ts, modulators=jnp.zeros((6,)).at[2].set(1.0))
     last = online(rule, graph, state, xs, ts, modulators=jnp.zeros((6,)).at[5].set(1.0))
     assert max(rel(first[p], last[p]) for p in traced) > 1e-3
+    # modulators are data: new values (even weakly typed ones) reuse the compiled program
+    from etrax.algorithms._drivers import _online_jit
+
+    jitted: Any = _online_jit  # its cache size is not in JAX's annotations
+    before = jitted._cache_size()
+    online(rule, graph, state, xs, ts, modulators=jnp.full((6,), 0.5))
+    assert jitted._cache_size() == before
     # per position: broadcast to (*varshape, S)
     per_unit = jnp.ones((6, 5, 1))
     ones = online(rule, graph, state, xs, ts, modulators=jnp.ones((6,)))

@@ -633,7 +633,8 @@ def _check_modulators(algo: OnlineAlgorithm[Any], modulators: PyTree | None, T: 
             f"{algo.name} learns from a modulator: pass modulators= with one modulator per "
             f"step (a leading time axis of length T = {T})"
         )
-    modulators = jax.tree.map(jnp.asarray, modulators)
+    # a strong dtype: a weakly typed array (``jnp.full(T, 0.5)``) would recompile
+    modulators = jax.tree.map(lambda m: jnp.asarray(m, dtype=jnp.result_type(m)), modulators)
     for leaf in jax.tree.leaves(modulators):
         if leaf.ndim == 0 or leaf.shape[0] != T:
             raise StepInputError(
