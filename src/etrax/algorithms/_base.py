@@ -58,6 +58,12 @@ def zeros_eff(graph: ETraceGraph, dtype: Any) -> EffGrads:
     return tuple(out)
 
 
+def add_into(acc: dict[str, Array], grads: Mapping[str, Array]) -> None:
+    """Add each effective-operand gradient of `grads` into `acc` (in place)."""
+    for k, v in grads.items():
+        acc[k] = acc[k] + v if k in acc else v
+
+
 def add_eff(a: EffGrads, b: EffGrads, sign: float = 1.0) -> EffGrads:
     return tuple(
         {k: x[k] + sign * y[k] if k in y else x[k] for k in x} for x, y in zip(a, b, strict=True)

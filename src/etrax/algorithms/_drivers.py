@@ -30,7 +30,7 @@ from ..executor import (
     step_jacobians,
     step_pure,
 )
-from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, zeros_eff
+from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, add_into, zeros_eff
 from ._dni import SyntheticGradient
 from ._kernels import instant_contribution
 from ._plan import plan_of
@@ -167,9 +167,7 @@ def _overlap(
             signals[slot.group],
             weights[slot.relation],
         )
-        acc = out[slot.relation]
-        for k, v in g.items():
-            acc[k] = acc[k] + v if k in acc else v
+        add_into(out[slot.relation], g)
     return tuple(out)
 
 

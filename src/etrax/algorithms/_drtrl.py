@@ -13,7 +13,7 @@ from .._errors import CompilationError
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, Kappa, Sparse
-from ._base import EffGrads, Weights, scan_chunk
+from ._base import EffGrads, Weights, add_into, scan_chunk
 from ._kernels import drtrl_chunk, drtrl_init, drtrl_solve, drtrl_update
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
@@ -63,9 +63,7 @@ def _solve_eps(
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
     for slot, e in zip(plan.slots, eps, strict=True):
         g = drtrl_solve(slot, e, dl_dh[slot.group], weights[slot.relation])
-        acc = out[slot.relation]
-        for k, v in g.items():
-            acc[k] = acc[k] + v if k in acc else v
+        add_into(out[slot.relation], g)
     return tuple(out)
 
 
@@ -106,9 +104,7 @@ def _chunk_eps(
             zero = {k: jnp.zeros(slot.eff_shapes[k], df.dtype) for k in slot.keys}
             (e_new, g), _ = jax.lax.scan(body, (e, zero), (x, df, D, L, N))
         new.append(e_new)
-        acc = out[slot.relation]
-        for k, v in g.items():
-            acc[k] = acc[k] + v if k in acc else v
+        add_into(out[slot.relation], g)
     return tuple(new), tuple(out)
 
 
@@ -188,9 +184,7 @@ class PerParameter(TraceFactorisation[ParamTraces]):
         out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
         slots = plan_of(graph).slots
         for slot, hood, e in zip(slots, _hoods(graph, rule.scope), eps, strict=True):
-            acc = out[slot.relation]
-            for k, v in snap_solve(slot, hood, e, signals[slot.group]).items():
-                acc[k] = acc[k] + v if k in acc else v
+            add_into(out[slot.relation], snap_solve(slot, hood, e, signals[slot.group]))
         return tuple(out)
 
     def chunk(

@@ -15,7 +15,7 @@ from jaxtyping import Array, Int, ScalarLike
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, NoFilter
-from ._base import EffGrads, Weights, scan_chunk
+from ._base import EffGrads, Weights, add_into, scan_chunk
 from ._kernels import map_extra
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
@@ -191,9 +191,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
         out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
         for k, slot in enumerate(plan.slots):
             g = self._slot_grads(traces, k, slot, signals[slot.group], weights)
-            acc = out[slot.relation]
-            for key, v in g.items():
-                acc[key] = acc[key] + v if key in acc else v
+            add_into(out[slot.relation], g)
         return tuple(out)
 
     def chunk(
@@ -234,9 +232,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
                 g = _stacked_contract(slot, xs[slot.relation], ms[k])
             else:  # its per-step gradients, summed over the chunk
                 g = {key: jnp.sum(v, axis=0) for key, v in slow[k].items()}
-            acc = grads[slot.relation]
-            for key, v in g.items():
-                acc[key] = acc[key] + v if key in acc else v
+            add_into(grads[slot.relation], g)
         return traces, tuple(grads)
 
 

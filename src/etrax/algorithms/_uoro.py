@@ -26,7 +26,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, NoFilter
-from ._base import EffGrads, Weights, scan_chunk
+from ._base import EffGrads, Weights, add_into, scan_chunk
 from ._kernels import instant_contribution
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
@@ -160,10 +160,7 @@ class RandomProjection(TraceFactorisation[ProjectionTraces]):
             now = instant_contribution(
                 sl, traces.x[sl.relation], traces.df[k], L, weights[sl.relation]
             )
-            acc = out[sl.relation]
-            for key in sl.keys:
-                v = past[key] + now[key]
-                acc[key] = acc[key] + v if key in acc else v
+            add_into(out[sl.relation], {key: past[key] + now[key] for key in sl.keys})
         return tuple(out)
 
     def chunk(
