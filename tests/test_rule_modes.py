@@ -114,7 +114,7 @@ def test_rule_batched_vmapped_and_sharded_agree(setup: dict[str, Any], name: str
 @pytest.mark.parametrize("name", [n for n in RULES if RULES[n]().symmetric])
 def test_symmetric_rules_run_with_windows(setup: dict[str, Any], name: str) -> None:
     """With one window over the whole sequence every rule with the true signal equals
-    BPTT; with shorter windows it runs, batched and per sample alike."""
+    BPTT; shorter windows give the same gradients batched and split over two devices."""
     rule = RULES[name]()
     gb, sb, xs, ts = setup["gb"], setup["sb"], setup["xs"], setup["ts"]
     ref, _ = etrax.bptt_grad(gb, sb, xs, ts, mse)
@@ -122,6 +122,27 @@ def test_symmetric_rules_run_with_windows(setup: dict[str, Any], name: str) -> N
     close(dict(full), dict(ref))
     short, _ = etrax.online_grad(gb, rule, sb, rule.init(gb, sb), xs, ts, mse, window=2)
     assert set(short) == set(ref)
+    if name == "uoro":  # its noise is drawn per device
+        return
+    # the same windows split over two devices
+    gh = setup["gh"]
+    s_half = etrax.state_of(gh)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+
+    def shard(params: Any, h: Any, x: Array, t: Array) -> Any:
+        state = etrax.ModelState(params, h, s_half.other)
+        result = etrax.online_grad(gh, rule, state, rule.init(gh, state), x, t, mse, window=2)
+        return jax.lax.psum(dict(result.grads), "data")  # type: ignore[no-untyped-call]  # unannotated in JAX
+
+    sharded = jax.jit(
+        jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P(None, "data"), P(None, "data")),
+            out_specs=P(),
+        )
+    )(sb.params, sb.hidden, xs, ts)
+    close(sharded, dict(short))
 
 
 def test_dni_runs_batched_mapped_and_sharded(setup: dict[str, Any]) -> None:

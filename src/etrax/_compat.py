@@ -232,6 +232,16 @@ def equation_location(eqn: Any) -> str:
         return "<unknown location>"
 
 
+def _output_aval(out: Any) -> Any:
+    """The `ShapedArray` of an `eval_shape` result, keeping the manual mesh axes it
+    varies over inside `jax.shard_map` (JAX versions with varying types) so the
+    primitive's output varies like its inputs, as JAX's own primitives' do."""
+    mat = getattr(out, "manual_axis_type", None)
+    if mat is None or not getattr(mat, "varying", None):
+        return jax.core.ShapedArray(out.shape, out.dtype)
+    return jax.core.ShapedArray(out.shape, out.dtype, sharding=out.sharding, manual_axis_type=mat)
+
+
 def define_primitive(
     name: str,
     impl: Callable[..., jax.Array],
@@ -249,9 +259,8 @@ def define_primitive(
     prim.def_impl(impl)  # type: ignore[no-untyped-call]  # JAX's Primitive API is unannotated
 
     def abstract_eval(*avals: Any, **params: Any) -> Any:
-        structs = [shape_struct(a.shape, a.dtype) for a in avals]
-        out = jax.eval_shape(lambda *ops: impl(*ops, **params), *structs)
-        return jax.core.ShapedArray(out.shape, out.dtype)
+        out = jax.eval_shape(lambda *ops: impl(*ops, **params), *avals)
+        return _output_aval(out)
 
     prim.def_abstract_eval(abstract_eval)  # type: ignore[no-untyped-call]  # unannotated in JAX
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._compat import shape_struct, vary_tree
+from .._compat import shape_struct, vary_like, vary_tree
 from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
@@ -325,11 +325,12 @@ def _window_impl(
             )
             return (jnp.sum(losses), slabs(s_end.hidden)), (losses, jacs, s_end)
 
-        (_, exits), vjp_fn, (losses, jacs, s_end) = jax.vjp(
+        (total, exits), vjp_fn, (losses, jacs, s_end) = jax.vjp(
             window_loss, st.params, st.hidden, has_aux=True
         )
+        one, zero = vary_like(jnp.ones((), dtype), total), vary_like(jnp.zeros((), dtype), total)
         zero_exits = [jnp.zeros_like(e) for e in exits]
-        g_params, g_hidden = vjp_fn((jnp.ones((), dtype), zero_exits))
+        g_params, g_hidden = vjp_fn((one, zero_exits))
         signals = [
             g.concat_hidden([g_hidden[p] for p in g.hidden_paths]) for g in graph.hidden_groups
         ]
@@ -338,7 +339,7 @@ def _window_impl(
             # the synthetic future, pushed back through the window: credit for the
             # untraced parameters, and (with the true credit) the entry's target
             synthetic = [lw[-1] * p for p in synth.predict(graph, exits)]
-            s_params, s_hidden = vjp_fn((jnp.zeros((), dtype), synthetic))
+            s_params, s_hidden = vjp_fn((zero, synthetic))
             g_params = PathDict(
                 (p, _add(v, s_params[p]) if p in untraced else v) for p, v in g_params.items()
             )
