@@ -1,32 +1,63 @@
-"""The Python blocks of the documentation pages listed here run as written.
+"""Every Python block in README.md and docs/ runs as written, or is visibly marked.
 
-Each block is a complete program: it runs in a fresh namespace, in order, and
-must finish without an exception."""
+A page's blocks run in order in one namespace, as a reader following the page
+would run them, with JAX's standard dtype promotion (the suite's strict promotion
+is a test setting, not what users run). Two kinds of block are not run:
+
+- a *fragment*, whose first line is a ``# fragment: …`` comment saying what it
+  assumes (visible in the rendered page);
+- a block made only of ``--8<--`` snippet includes, whose source file is an
+  example that its own test runs (listed in `INCLUDED`).
+"""
 
 import contextlib
 import io
 import pathlib
 import re
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = ("docs/tutorials/bring-your-own-model.md", "docs/concepts/learning-rules.md")
+PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
+INCLUDED = {"examples/custom_op.py": "tests/test_custom_op_tutorial.py"}
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::[^"]*)?"$')
 
 
-def _blocks() -> list[tuple[str, int, str]]:
-    found = []
-    for page in PAGES:
-        text = (ROOT / page).read_text()
-        for k, match in enumerate(_BLOCK.finditer(text)):
-            found.append((page, k, match.group(1)))
-    return found
+def _kind(code: str) -> str:
+    lines = [line for line in code.strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith("# fragment:"):
+        return "fragment"
+    if lines and all(_SNIPPET.match(line) for line in lines):
+        return "included"
+    return "program"
 
 
-@pytest.mark.parametrize(("page", "index", "code"), _blocks(), ids=lambda v: str(v)[:40])
-def test_documentation_block_runs(page: str, index: int, code: str) -> None:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, f"{page}[block {index}]", "exec"), {"__name__": "__doc_block__"})
-    assert out.getvalue() or "print" not in code
+@pytest.mark.parametrize("page", PAGES)
+def test_page_blocks_run(page: str) -> None:
+    text = (ROOT / page).read_text()
+    namespace = {"__name__": "__doc_block__"}
+    for k, match in enumerate(_BLOCK.finditer(text)):
+        code = match.group(1)
+        kind = _kind(code)
+        if kind == "fragment":
+            continue
+        if kind == "included":
+            for line in code.strip().splitlines():
+                found = _SNIPPET.match(line)
+                assert found is not None
+                source = found.group(1)
+                assert source in INCLUDED, f"{page}[block {k}] includes {source}, run by no test"
+                assert (ROOT / INCLUDED[source]).exists()
+            continue
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
+            exec(compile(code, f"{page}[block {k}]", "exec"), namespace)
+        assert out.getvalue() or "print(" not in code, f"{page}[block {k}] printed nothing"
+
+
+def test_every_page_is_collected() -> None:
+    assert "README.md" in PAGES and "docs/concepts/online-learning.md" in PAGES
+    blocks = sum(len(_BLOCK.findall((ROOT / p).read_text())) for p in PAGES)
+    assert blocks >= 25, blocks
