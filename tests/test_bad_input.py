@@ -15,6 +15,7 @@ from typing import Any
 import brainstate
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from jaxtyping import Array, ArrayLike
@@ -363,3 +364,67 @@ def test_pp_prop_refuses_non_integer_chunk_steps(steps: Any) -> None:
         etrax.PPProp(0.5, chunk_steps=steps)
     if isinstance(steps, bool):
         assert "chunk_steps must be a positive int (Python or NumPy integer)" in str(info.value)
+
+
+# --- 6. the researcher's slips ----------------------------------------------------------------
+
+
+def _gru_f32() -> tuple[brainstate.nn.Module, etrax.ETraceGraph]:
+    brainstate.environ.set(precision=32)
+    gru = etrax.nn.GRUCell(3, 4)
+    brainstate.nn.init_all_states(gru, batch_size=2)
+    return gru, etrax.compile_etrace_graph(gru, jnp.zeros((2, 3), jnp.float32))
+
+
+def test_passing_the_model_where_a_graph_is_expected() -> None:
+    gru, graph = _gru_f32()
+    state = etrax.state_of(graph)
+    xs, ts = jnp.zeros((3, 2, 3), jnp.float32), jnp.zeros((3, 2, 4), jnp.float32)
+    calls: dict[str, Callable[[], Any]] = {
+        "state_of": lambda: etrax.state_of(gru),  # type: ignore[arg-type]  # the slip under test
+        "the step": lambda: etrax.step(gru, state, xs[0]),  # type: ignore[arg-type]  # the slip under test
+        "online_grad": lambda: etrax.online_grad(gru, etrax.DRTRL(), state, None, xs, ts, mse),  # type: ignore[arg-type, misc]  # the slip under test
+        "bptt_grad": lambda: etrax.bptt_grad(gru, state, xs, ts, mse),  # type: ignore[arg-type]  # the slip under test
+    }
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)  # as users run: etrax's own check
+    try:
+        for where, call in calls.items():
+            with pytest.raises(TypeError, match=rf"{where} needs an etrax.ETraceGraph, got GRU"):
+                call()
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def test_numpy_float64_inputs_are_cast_and_integers_get_advice() -> None:
+    _, graph = _gru_f32()
+    state = etrax.state_of(graph)
+    x64 = np.random.default_rng(0).standard_normal((2, 3))  # NumPy float64
+    y_cast, _, _ = etrax.step(graph, state, x64)
+    y_ref, _, _ = etrax.step(graph, state, jnp.asarray(x64, jnp.float32))
+    np.testing.assert_array_equal(y_cast, y_ref)
+    xs64, ts = np.zeros((3, 2, 3)), jnp.zeros((3, 2, 4), jnp.float32)
+    grads, _ = etrax.online_grad(
+        graph, etrax.DRTRL(), state, etrax.DRTRL().init(graph, state), xs64, ts, mse
+    )
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    with pytest.raises(
+        etrax.StepInputError, match=r"cast it first, e\.g\. x\.astype\(jnp\.float32\)"
+    ):
+        etrax.step(graph, state, np.zeros((2, 3), np.int32))
+
+
+def test_batch_first_sequences_are_explained() -> None:
+    _, graph = _gru_f32()
+    state = etrax.state_of(graph)
+    rule = etrax.DRTRL()
+    xs, ts = jnp.zeros((2, 5, 3), jnp.float32), jnp.zeros((2, 5, 4), jnp.float32)  # (B, T, …)
+    with pytest.raises(etrax.StepInputError, match=r"time-major.*jnp\.swapaxes\(xs, 0, 1\)"):
+        etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, mse)
+
+
+def test_learner_params_with_a_wrong_key() -> None:
+    brainstate.environ.set(precision=32)
+    learner = etrax.compile(etrax.nn.GRUCell(3, 4), etrax.DRTRL(), jnp.zeros((2, 3)), batch_size=2)
+    with pytest.raises(KeyError, match=r"needs exactly the parameter paths.*unknown \[\('W',\)\]"):
+        learner.params = {("W",): jnp.zeros(3)}

@@ -19,12 +19,14 @@ from ..executor import (
     StepJacobians,
     StepPoint,
     as_args,
+    cast_inputs,
     check_sequence_length,
     fast_check_inputs,
     fast_check_state,
     flat_state,
     forward_pure,
     next_state,
+    require_graph,
     shape_dtype,
     step_env,
     step_jacobians,
@@ -402,8 +404,26 @@ def _check_sequences(graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn)
         )
     (T,) = lengths
     check_sequence_length(T)
-    fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
+    try:
+        fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
+    except StepInputError as err:
+        raise StepInputError(
+            f"{err} Sequences are time-major: xs and targets are (T, …) with one step's "
+            "input after the time axis (for a batched model, (T, B, …)); move a leading "
+            "batch axis with jnp.swapaxes(xs, 0, 1)."
+        ) from None
     return T
+
+
+def _cast_sequence(graph: ETraceGraph, xs: Any) -> Any:
+    """`xs` with its leaves cast as `cast_inputs` casts one step's (a NumPy float64
+    sequence into a float32 graph); left unchanged where the structure does not fit."""
+    try:
+        args = as_args(graph, xs)
+    except StepInputError:
+        return xs  # the sequence check names the problem
+    cast = cast_inputs(graph, args, leading=1)
+    return cast[0] if len(graph.module_info.in_tree.children()) == 1 else cast
 
 
 def _step_structs(seq: Any) -> Any:
@@ -544,6 +564,8 @@ def online_grad(
     `loss_fn` cannot take. An exception raised by `loss_fn` itself propagates
     unchanged.
     """
+    require_graph(graph, "online_grad")
+    xs = _cast_sequence(graph, xs)
     if not isinstance(algo, OnlineAlgorithm):
         raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
     if not graph.hidden_param_op_relations:
@@ -676,6 +698,8 @@ def bptt_grad(
 
     **Raises:** as `online_grad`.
     """
+    require_graph(graph, "bptt_grad")
+    xs = _cast_sequence(graph, xs)
     fast_check_state(graph, state)
     _check_sequences(graph, xs, targets, loss_fn)
     key = ("bptt", _avals(xs), _avals(targets), loss_fn)

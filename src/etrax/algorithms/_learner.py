@@ -79,7 +79,16 @@ class OnlineLearner:
         refs = dict(
             zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
         )
-        for path in self.state.params:
+        expected = list(self.state.params)
+        missing = [p for p in expected if p not in values]
+        unknown = [p for p in values if p not in self.state.params]
+        if missing or unknown:
+            raise KeyError(
+                f"learner.params needs exactly the parameter paths {expected}; missing "
+                f"{missing}, unknown {unknown}. Start from learner.params and update it "
+                "(e.g. optax.apply_updates(learner.params, updates))."
+            )
+        for path in expected:
             refs[path].value = values[path]
 
     def reset(self, batch_size: int | None = None) -> None:

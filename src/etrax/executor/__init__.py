@@ -3,10 +3,12 @@
 from ._facade import ETraceGraphExecutor, ETraceVjpGraphExecutor, MultiStepData
 from ._state import (
     ModelState,
+    cast_inputs,
     check_sequence_length,
     fast_check_inputs,
     fast_check_state,
     flat_state,
+    require_graph,
     shape_dtype,
     state_of,
     write_back,
@@ -36,6 +38,7 @@ __all__ = [
     "StepJacobians",
     "StepPoint",
     "as_args",
+    "cast_inputs",
     "check_sequence_length",
     "fast_check_inputs",
     "fast_check_state",
@@ -44,6 +47,7 @@ __all__ = [
     "forward_pure",
     "multi_step",
     "next_state",
+    "require_graph",
     "shape_dtype",
     "state_of",
     "step",

@@ -3,6 +3,7 @@
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import brainstate
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,19 @@ def _canonical(info: StateInfo, value: PyTree) -> PyTree:
     return jax.tree.unflatten(info.treedef, fixed)
 
 
+def require_graph(graph: object, where: str) -> None:
+    """Raise a `TypeError` that says how to get a graph unless `graph` is one (the
+    common slip: passing the model itself)."""
+    if isinstance(graph, ETraceGraph):
+        return
+    hint = (
+        "; compile it first: graph = etrax.compile_etrace_graph(model, *example_inputs)"
+        if isinstance(graph, brainstate.nn.Module)
+        else ""
+    )
+    raise TypeError(f"{where} needs an etrax.ETraceGraph, got {type(graph).__name__}{hint}")
+
+
 def state_of(graph: ETraceGraph) -> ModelState:
     """The current values of a compiled model's states, as a `ModelState`.
 
@@ -70,6 +84,7 @@ def state_of(graph: ETraceGraph) -> ModelState:
     compiled from and given their compiled dtypes as strongly typed arrays, so a
     jitted step sees the same types on every call.
     """
+    require_graph(graph, "state_of")
     mi = graph.module_info
     groups: dict[StateKind, PathDict[PyTree]] = {k: PathDict() for k in StateKind}
     for info, ref in zip(mi.states, mi.state_refs.states, strict=True):
@@ -98,10 +113,15 @@ def _check_leaves(
         leaf_shape, leaf_dtype = shape_dtype(leaf)
         if leaf_shape != tuple(shape) or np.dtype(leaf_dtype) != np.dtype(dtype):
             at = f"{where}" if len(leaves) == 1 else f"{where} (leaf {k})"
+            fix = (
+                "recompile for other shapes (e.g. another batch size)"
+                if leaf_shape != tuple(shape)
+                else f"cast it first, e.g. x.astype(jnp.{np.dtype(dtype).name})"
+            )
             raise StepInputError(
                 f"{at} has {_describe(leaf)}, expected shape {tuple(shape)} and dtype "
                 f"{np.dtype(dtype)}. The graph is specialised to the shapes and dtypes it was "
-                "compiled with; recompile for other shapes (e.g. another batch size)."
+                f"compiled with; {fix}."
             )
 
 
@@ -187,6 +207,33 @@ def fast_check_state(graph: ETraceGraph, state: ModelState) -> None:
     leaves, treedef = jax.tree.flatten(state)
     if treedef != sig.state_treedef or not _leaves_match(leaves, sig.state_avals):
         check_state(graph, state)
+
+
+def cast_inputs(graph: ETraceGraph, args: Any, leading: int = 0) -> Any:
+    """`args` with each leaf that JAX would cast without loss of meaning cast to the
+    compiled input dtype: a floating array of another width (a NumPy float64 batch
+    into a float32 graph) and Python numbers. Any other mismatch is left for the
+    input check, whose error says how to cast. `leading` axes (a time axis) are
+    ignored. A structure that does not fit is returned unchanged (the check names it).
+    """
+    sig = signature(graph)
+    leaves, treedef = jax.tree.flatten(args)
+    if treedef != sig.in_tree:
+        return args
+    out: list[Any] = []
+    for leaf, (_, dtype) in zip(leaves, sig.in_avals, strict=True):
+        want = np.dtype(dtype)
+        if isinstance(leaf, bool | np.bool_):
+            out.append(leaf)
+        elif isinstance(leaf, int | float) and leading == 0:
+            out.append(jnp.asarray(leaf, want))
+        elif isinstance(leaf, jax.ShapeDtypeStruct):
+            out.append(leaf)
+        else:
+            have = np.dtype(shape_dtype(leaf)[1])  # the leaf's own dtype (NumPy's too)
+            both_float = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(want, jnp.floating)
+            out.append(jnp.asarray(leaf, want) if have != want and both_float else leaf)
+    return jax.tree.unflatten(treedef, out)
 
 
 def fast_check_inputs(graph: ETraceGraph, args: tuple[Any, ...]) -> None:

@@ -20,11 +20,13 @@ from .._typing import Path, PyTree, VarId
 from ..compiler import ETraceGraph, StateKind
 from ._state import (
     ModelState,
+    cast_inputs,
     check_inputs,
     check_sequence_length,
     check_state,
     fast_check,
     flat_state,
+    require_graph,
 )
 
 __all__ = [
@@ -255,12 +257,11 @@ _step_jit = jax.jit(step_pure, static_argnums=(0, 3))
 
 
 def _validate(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[Any, ...]:
-    if not isinstance(graph, ETraceGraph):
-        raise TypeError(f"graph must be an etrax.ETraceGraph, got {type(graph).__name__}")
+    require_graph(graph, "the step")
     state_obj: object = state
     if not isinstance(state_obj, ModelState):
         check_state(graph, state)
-    args = as_args(graph, x)
+    args: tuple[Any, ...] = cast_inputs(graph, as_args(graph, x))
     fast_check(graph, state, args)
     return args
 
@@ -323,10 +324,9 @@ def _check_sequence(graph: ETraceGraph, xs: Any) -> tuple[int, tuple[Any, ...]]:
         raise StepInputError(f"every leaf of xs needs the same leading time axis, got {shown}")
     (T,) = lengths
     check_sequence_length(T)
-    first = jax.tree.map(lambda a: a[0], xs)
-    args = as_args(graph, first)
-    check_inputs(graph, args)
-    return T, as_args(graph, xs)
+    seq = cast_inputs(graph, as_args(graph, xs), leading=1)
+    check_inputs(graph, jax.tree.map(lambda a: a[0], seq))
+    return T, seq
 
 
 def _multi_impl(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> Any:
