@@ -19,6 +19,7 @@ import equinox as _equinox
 import jaxtyping as _jaxtyping
 
 from . import nn, ops
+from ._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from ._compat import exclude_from_locations as _exclude_from_locations
 from ._errors import (
     CompilationError,
@@ -183,6 +184,7 @@ __all__ = [
     "UORO",
     "BPTTResult",
     "Bootstrapped",
+    "Checkpoint",
     "CompilationError",
     "CompilationRecord",
     "CompilationReport",
@@ -274,6 +276,7 @@ __all__ = [
     "group",
     "grouped_matmul",
     "is_etp_primitive",
+    "load_checkpoint",
     "lora_matmul",
     "matmul",
     "multi_step",
@@ -286,6 +289,7 @@ __all__ = [
     "register_rules",
     "relate",
     "rewrite",
+    "save_checkpoint",
     "sparse_matmul",
     "state_of",
     "step",

@@ -5,11 +5,13 @@ computation goes through the pure `online_grad` / `bptt_grad`. Hidden states liv
 in the model (read before, written after each call); traces live in the learner.
 """
 
+import pathlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 import brainstate
 
+from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import CompilationReport, CompilePolicy, ETraceGraph, compile_etrace_graph
@@ -152,6 +154,23 @@ class OnlineLearner:
         grads, aux = bptt_grad(self.graph, state_of(self.graph), xs, ys, loss_fn)
         write_back(self.graph, aux["state"])
         return (grads, aux["losses"]) if return_value else grads
+
+    def save(self, path: str | pathlib.Path | BinaryIO, opt_state: PyTree = None) -> None:
+        """Save the model's parameters and states, the traces and `opt_state` (see
+        `etrax.save_checkpoint`)."""
+        save_checkpoint(path, Checkpoint(state_of(self.graph), self.traces, opt_state))
+
+    def load(self, path: str | pathlib.Path | BinaryIO, opt_state_like: PyTree = None) -> PyTree:
+        """Load a checkpoint written by `save` into the model and the learner, and
+        return the saved optimiser state (read into the structure of `opt_state_like`,
+        e.g. ``opt.init(learner.params)``). The learner must be built from the same
+        model class, rule and batch size."""
+        like = Checkpoint(state_of(self.graph), self.traces, opt_state_like)
+        loaded = load_checkpoint(path, like)
+        self.params = loaded.state.params
+        write_back(self.graph, loaded.state)
+        self.traces = loaded.traces
+        return loaded.opt_state
 
     def report(self) -> CompilationReport:
         """The compilation report: hidden groups, relations and diagnostics."""

@@ -1,0 +1,73 @@
+"""Saving and resuming online learning: a `Checkpoint` of everything a run carries.
+
+A run's state is four pytrees: the model's parameters, its hidden (and other)
+states, the learning rule's traces and the optimiser's state. They are written with
+equinox's leaf serialisation (`eqx.tree_serialise_leaves`): every array is stored
+exactly (a resumed run continues bit for bit), and no dependency beyond equinox is
+needed. Reading needs a *template* with the same structure, which the code that
+resumes already has: the graph is rebuilt from the model (compiling is
+deterministic), not pickled — it holds traced programs and references to the
+model's brainstate states.
+"""
+
+import pathlib
+from typing import BinaryIO
+
+import equinox as eqx
+
+from ._errors import StepInputError
+from ._typing import PyTree
+from .executor import ModelState
+
+__all__ = ["Checkpoint", "load_checkpoint", "save_checkpoint"]
+
+
+class Checkpoint(eqx.Module):
+    """What a run carries from one call to the next.
+
+    **Arguments:**
+
+    - `state`: the model's `ModelState` (parameters, hidden and other states).
+    - `traces`: the learning rule's traces (``rule.init(graph, state)`` to start).
+    - `opt_state`: the optimiser's state (any pytree), or `None`.
+    """
+
+    state: ModelState
+    traces: PyTree
+    opt_state: PyTree = None
+
+
+def save_checkpoint(path_or_file: str | pathlib.Path | BinaryIO, checkpoint: Checkpoint) -> None:
+    """Write `checkpoint`'s arrays to a file (equinox leaf serialisation).
+
+    !!! Example
+
+        ```python
+        etrax.save_checkpoint("run.eqx", etrax.Checkpoint(state, traces, opt_state))
+        ```
+    """
+    if not isinstance(checkpoint, Checkpoint):
+        raise TypeError(
+            f"save_checkpoint needs an etrax.Checkpoint, got {type(checkpoint).__name__}"
+        )
+    eqx.tree_serialise_leaves(path_or_file, checkpoint)
+
+
+def load_checkpoint(path_or_file: str | pathlib.Path | BinaryIO, like: Checkpoint) -> Checkpoint:
+    """Read a checkpoint written by `save_checkpoint` into the structure of `like`.
+
+    `like` is a `Checkpoint` of the same model, rule and optimiser, e.g.
+    ``Checkpoint(state_of(graph), rule.init(graph, state), opt.init(state.params))``
+    for a graph rebuilt from the model. Shapes and dtypes must match (a different
+    model, batch size or rule is a `StepInputError`).
+    """
+    if not isinstance(like, Checkpoint):
+        raise TypeError(f"load_checkpoint needs a Checkpoint template, got {type(like).__name__}")
+    try:
+        loaded: Checkpoint = eqx.tree_deserialise_leaves(path_or_file, like)
+    except (RuntimeError, ValueError) as err:
+        raise StepInputError(
+            f"the checkpoint does not fit the template: {err}. Build the template from the "
+            "same model (and batch size), rule and optimiser as the saved run."
+        ) from err
+    return loaded
