@@ -76,6 +76,7 @@ from .algorithms import (
     bptt_grad,
     check_gradients,
     compile,
+    online_evolve,
     online_grad,
 )
 from .compiler import (
@@ -281,6 +282,7 @@ __all__ = [
     "matmul",
     "multi_step",
     "nn",
+    "online_evolve",
     "online_grad",
     "ops",
     "perturb",

@@ -28,7 +28,7 @@ from ._check import (
     t1_tolerance,
 )
 from ._dni import SyntheticGradient
-from ._drivers import BPTTResult, OnlineResult, bptt_grad, online_grad
+from ._drivers import BPTTResult, OnlineResult, bptt_grad, online_evolve, online_grad
 from ._drtrl import ParamTraces, PerParameter
 from ._learner import OnlineLearner, compile
 from ._pp import InputOutput, IOTraces
@@ -97,6 +97,7 @@ __all__ = [
     "check_gradients",
     "compare_gradients",
     "compile",
+    "online_evolve",
     "online_grad",
     "operand_values",
     "operands_to_params",

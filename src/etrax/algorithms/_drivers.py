@@ -44,7 +44,7 @@ from ._weights import (
     zeros_like_params,
 )
 
-__all__ = ["BPTTResult", "OnlineResult", "bptt_grad", "online_grad"]
+__all__ = ["BPTTResult", "OnlineResult", "bptt_grad", "online_evolve", "online_grad"]
 
 LossFn = Callable[[PyTree, PyTree], Array]
 TraceT = TypeVar("TraceT")
@@ -665,6 +665,76 @@ def _check_modulators(algo: OnlineAlgorithm[Any], modulators: PyTree | None, T: 
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise StepInputError(f"modulators must be float arrays, got dtype {leaf.dtype}")
     return modulators
+
+
+def _evolve_impl(
+    graph: ETraceGraph,
+    outputs: bool,
+    algo: OnlineAlgorithm[TraceT],
+    state: ModelState,
+    traces: TraceT,
+    xs: Any,
+) -> tuple[ModelState, TraceT, PyTree]:
+    weights = operand_values(graph, state.params)
+
+    def body(carry: Any, x: Any) -> Any:
+        st, tr = carry
+        args = as_args(graph, x)
+        out, new, jac = step_pure(graph, st, args, False)
+        if algo.needs_point:
+            jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(st, args))
+        tr = algo.update(graph, tr, jac, weights)
+        return (new, tr), (out if outputs else None)
+
+    (state, traces), outs = jax.lax.scan(body, vary_tree((state, traces), state, xs), xs)
+    return state, traces, outs
+
+
+_evolve_jit = jax.jit(_evolve_impl, static_argnums=(0, 1))
+
+
+def online_evolve(
+    graph: ETraceGraph,
+    algo: OnlineAlgorithm[TraceT],
+    state: ModelState,
+    traces: TraceT,
+    xs: Any,
+    *,
+    return_outputs: bool = False,
+) -> tuple[ModelState, TraceT, PyTree]:
+    """Advance the state and the traces over a sequence, computing no gradient (e.g. to
+    warm a network up before learning, or to run a streaming model between updates).
+
+    The state and traces it leaves are exactly those `online_grad` leaves on the same
+    inputs. Memory does not grow with the length, unless outputs are returned.
+
+    **Arguments:**
+
+    - `graph`, `algo`, `state`, `traces`: as for `online_grad`.
+    - `xs`: per-step inputs with a leading time axis.
+    - `return_outputs`: also return the stacked outputs ``(T, ...)``.
+
+    **Returns:** ``(state, traces, outputs)`` with `outputs` `None` unless asked for.
+    """
+    require_graph(graph, "online_evolve")
+    if not isinstance(algo, OnlineAlgorithm):
+        raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
+    xs = _cast_sequence(graph, xs)
+    fast_check_state(graph, state)
+    leaves = jax.tree.leaves(xs)
+    if not leaves or any(jnp.ndim(a) == 0 for a in leaves):
+        raise StepInputError("xs needs a leading time axis (one slice per step)")
+    check_sequence_length(int(jnp.shape(leaves[0])[0]))
+    fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
+    key = ("evolve", _avals(traces), jax.tree.structure(algo))
+    if not _seen(graph, key):
+        expected = jax.eval_shape(lambda: algo.init(graph, state))
+        if _avals(traces) != _avals(expected):
+            raise StepInputError(
+                f"traces do not match {algo.name}.init(graph, state) for this graph"
+            )
+        _remember(graph, key)
+    return _evolve_jit(graph, return_outputs, algo, state, traces, xs)  # type: ignore[no-any-return]
 
 
 def _bptt_impl(

@@ -7,17 +7,20 @@ in the model (read before, written after each call); traces live in the learner.
 
 import pathlib
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import brainstate
+import jax
+import jax.numpy as jnp
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .._errors import StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import CompilationReport, CompilePolicy, ETraceGraph, compile_etrace_graph
 from ..executor import ModelState, state_of, write_back
 from ._base import OnlineAlgorithm, check_relations
-from ._drivers import LossFn, bptt_grad, online_grad
+from ._drivers import LossFn, bptt_grad, online_evolve, online_grad
 from ._presets import by_name
 
 __all__ = ["OnlineLearner", "compile"]
@@ -65,6 +68,8 @@ class OnlineLearner:
         self.graph = graph
         self.batch_size = batch_size
         self.traces: PyTree = algorithm.init(graph, state_of(graph))
+        self._weighted_losses: dict[LossFn, LossFn] = {}
+        self._initial_hidden = dict(state_of(graph).hidden)
 
     @property
     def state(self) -> ModelState:
@@ -96,12 +101,23 @@ class OnlineLearner:
     def reset(self, batch_size: int | None = None) -> None:
         """Reset the model's hidden states and the traces (between sequences).
 
-        `batch_size` defaults to the one given to `etrax.compile`. The graph was
-        compiled for that batch size: resetting to another one makes the next
+        Each module's own ``reset_state`` runs (through brainstate); a hidden state
+        that no ``reset_state`` resets (one created in ``__init__`` or ``init_state``
+        of a module without ``reset_state``) is restored to its value when the learner
+        was built. `batch_size` defaults to the one given to `etrax.compile`. The graph
+        was compiled for that batch size: resetting to another one makes the next
         `etrace_grad` raise a `StepInputError` (compile a new learner instead).
         """
         size = self.batch_size if batch_size is None else batch_size
+        refs = dict(
+            zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
+        )
+        before = {p: refs[p].value for p in self._initial_hidden}
         brainstate.nn.reset_all_states(self.model, batch_size=size)
+        if size == self.batch_size:
+            for path, initial in self._initial_hidden.items():
+                if refs[path].value is before[path]:  # no reset_state touched it
+                    refs[path].value = initial
         self.traces = self.algorithm.init(self.graph, state_of(self.graph))
 
     def etrace_grad(
@@ -111,11 +127,14 @@ class OnlineLearner:
         loss_fn: LossFn | None = None,
         *,
         step_fn: LossFn | None = None,
+        mask: Any = None,
+        reduction: Literal["sum", "mean"] = "sum",
         window: int | None = None,
         modulators: PyTree | None = None,
         return_value: bool = False,
     ) -> Any:
-        """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over one sequence.
+        """Online gradient of the (masked) sum or mean of ``loss_fn(y_t, target_t)``
+        over one sequence.
 
         The model's hidden states and the learner's traces carry over from the
         previous call (call `reset` between independent sequences).
@@ -124,23 +143,28 @@ class OnlineLearner:
 
         - `xs`, `ys`: inputs and targets with a leading time axis.
         - `loss_fn` (or `step_fn`): ``loss(y_t, target_t) -> scalar``.
+        - `mask`: per-step weights ``(T,)`` (e.g. 0/1: which steps are scored); the
+          traces still advance at every step.
+        - `reduction`: ``"sum"`` (default: ``Σ_t mask_t loss_t``) or ``"mean"``
+          (divided by ``max(Σ_t mask_t, 1)``, or by ``T`` without a mask).
         - `window`: optional truncation window (see `etrax.online_grad`).
         - `modulators`: per-step modulators for a modulated rule (`etrax.ThreeFactor`),
           with a leading time axis (see `etrax.online_grad`).
-        - `return_value`: also return the per-step losses.
+        - `return_value`: also return the per-step (weighted) losses.
 
         **Returns:** the gradients (a `PathDict` like `params`), or ``(grads, losses)``.
         """
         fn = loss_fn if loss_fn is not None else step_fn
         if fn is None:
             raise TypeError("etrace_grad needs loss_fn(y_t, target_t) -> scalar")
+        targets, fn = self._weighted(xs, ys, fn, mask, reduction)
         grads, aux = online_grad(
             self.graph,
             self.algorithm,
             state_of(self.graph),
             self.traces,
             xs,
-            ys,
+            targets,
             fn,
             window=window,
             modulators=modulators,
@@ -148,6 +172,60 @@ class OnlineLearner:
         write_back(self.graph, aux["state"])
         self.traces = aux["traces"]
         return (grads, aux["losses"]) if return_value else grads
+
+    def _weighted(
+        self, xs: Any, ys: Any, loss_fn: LossFn, mask: Any, reduction: str
+    ) -> tuple[Any, LossFn]:
+        """Targets and loss with the per-step weights of `mask` and `reduction` folded
+        in as data (so new masks never recompile)."""
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+        if mask is None and reduction == "sum":
+            return ys, loss_fn
+        T = int(jnp.shape(jax.tree.leaves(xs)[0])[0])
+        dtype = jnp.result_type(*jax.tree.leaves(state_of(self.graph).hidden))
+        w = jnp.ones((T,), dtype) if mask is None else jnp.asarray(mask, dtype)
+        if w.shape != (T,):
+            raise StepInputError(f"mask must have one weight per step, shape ({T},), got {w.shape}")
+        if reduction == "mean":
+            w = w / jnp.maximum(jnp.sum(w), 1.0)
+        return (ys, w), self._weighted_loss(loss_fn)
+
+    def _weighted_loss(self, loss_fn: LossFn) -> LossFn:
+        """``(y, (target, w)) ↦ w · loss_fn(y, target)``, one function per loss (so the
+        compiled program is reused)."""
+        if loss_fn not in self._weighted_losses:
+
+            def weighted(y: PyTree, target_and_weight: Any) -> Any:
+                target, w = target_and_weight
+                return w * loss_fn(y, target)
+
+            self._weighted_losses[loss_fn] = weighted
+        return self._weighted_losses[loss_fn]
+
+    def etrace_evolve(self, xs: Any, *, return_outputs: bool = False) -> Any:
+        """Advance the model's hidden states and the traces over `xs` with no gradient
+        (see `etrax.online_evolve`); returns the stacked outputs if asked."""
+        state, traces, outs = online_evolve(
+            self.graph,
+            self.algorithm,
+            state_of(self.graph),
+            self.traces,
+            xs,
+            return_outputs=return_outputs,
+        )
+        write_back(self.graph, state)
+        self.traces = traces
+        return outs if return_outputs else None
+
+    def __call__(self, *x: Any) -> PyTree:
+        """One step on input `x` (the model's ``update`` arguments): advances the hidden
+        states and the traces, and returns the step's output."""
+        one = x[0] if len(x) == 1 else x
+        outs = self.etrace_evolve(
+            jax.tree.map(lambda a: jnp.asarray(a)[None], one), return_outputs=True
+        )
+        return jax.tree.map(lambda a: a[0], outs)
 
     def bptt_grad(self, xs: Any, ys: Any, loss_fn: LossFn, *, return_value: bool = False) -> Any:
         """The exact BPTT gradient from the current state (hidden states are advanced)."""
@@ -187,6 +265,8 @@ def compile(
     *example_inputs: Any,
     batch_size: int | None = None,
     policy: CompilePolicy | None = None,
+    seed: int | None = None,
+    verbose: bool = False,
 ) -> OnlineLearner:
     """Initialise a model's states, compile its graph and return an `OnlineLearner`.
 
@@ -202,9 +282,16 @@ def compile(
     - `batch_size`: batch size the model's states are created with.
     - `policy`: the compiler's `CompilePolicy` (weight-op recognition, if-conversion,
       loop unrolling); the default policy when `None`.
+    - `seed`: seeds brainstate's random generator before the states are created
+      (reproducible initial states); `None` leaves it as it is.
+    - `verbose`: print the compilation report.
     """
     algo = _algorithm(algorithm)
+    if seed is not None:
+        brainstate.random.seed(seed)
     brainstate.nn.init_all_states(model, batch_size=batch_size)
     graph = compile_etrace_graph(model, *example_inputs, policy=policy)
+    if verbose:
+        print(CompilationReport(graph))
     check_relations(graph, algo.name)
     return OnlineLearner(model, algo, graph, batch_size)

@@ -1,0 +1,135 @@
+"""The brainstate-facing learner: masks and reductions against BPTT through the model's
+own update, evolving without gradients, one-step calls, seeds and reports."""
+
+from typing import Any
+
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import Array
+
+import etrax
+
+from .models import LeakyTanhReadout
+from .oracles import bptt_grads
+
+TOL = 1e-10
+T = 6
+
+
+def mse(y: Array, t: Array) -> Array:
+    return jnp.sum((y - t) ** 2)
+
+
+def setup(rule: etrax.OnlineAlgorithm[Any]) -> tuple[etrax.OnlineLearner, Array, Array]:
+    brainstate.random.seed(0)
+    model = LeakyTanhReadout(3, 5)
+    learner = etrax.compile(model, rule, jnp.zeros((2, 3)), batch_size=2)
+    xs = jax.random.normal(jax.random.key(0), (T, 2, 3))
+    ys = jax.random.normal(jax.random.key(1), (T, 2, 2))
+    return learner, xs, ys
+
+
+def rel(a: Any, b: Any) -> float:
+    worst = 0.0
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        scale = float(jnp.max(jnp.abs(v)))
+        worst = max(worst, float(jnp.max(jnp.abs(u - v))) / (scale if scale > 0 else 1.0))
+    return worst
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_mask_and_reduction_against_bptt(reduction: str) -> None:
+    """The model is exact under D-RTRL, so the masked online gradient equals the gradient
+    of the same masked loss through brainstate's own update."""
+    learner, xs, ys = setup(etrax.DRTRL(chunk_steps=1))
+    state = etrax.state_of(learner.graph)
+    mask = jnp.asarray([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    w = mask / jnp.maximum(mask.sum(), 1.0) if reduction == "mean" else mask
+
+    def weighted(y: Array, tw: tuple[Array, Array]) -> Array:
+        t, wt = tw
+        return wt * mse(y, t)
+
+    ref = bptt_grads(learner.model, state, xs, (ys, w), weighted)
+    got = learner.etrace_grad(xs, ys, mse, mask=mask, reduction=reduction)  # type: ignore[arg-type]
+    for p in ref:
+        assert rel(got[p], ref[p]) < TOL, p
+    # without a mask, "mean" divides by T
+    learner.reset()
+    plain = learner.etrace_grad(xs, ys, mse, reduction="mean")
+    learner.reset()
+    total = learner.etrace_grad(xs, ys, mse)
+    for p in total:
+        assert rel(jax.tree.map(lambda g: g * T, plain[p]), total[p]) < TOL
+    with pytest.raises(etrax.StepInputError, match="one weight per step"):
+        learner.etrace_grad(xs, ys, mse, mask=jnp.ones(3))
+
+
+def test_evolve_leaves_the_same_state_and_traces_as_grad() -> None:
+    for rule in (etrax.DRTRL(chunk_steps=2), etrax.PPProp(0.8)):
+        a, xs, ys = setup(rule)
+        b, _, _ = setup(rule)
+        a.etrace_grad(xs, ys, mse)
+        outs = b.etrace_evolve(xs, return_outputs=True)
+        assert outs.shape == (T, 2, 2)
+        for u, v in zip(jax.tree.leaves(a.traces), jax.tree.leaves(b.traces), strict=True):
+            np.testing.assert_allclose(u, v, rtol=0, atol=1e-12)
+        for u, v in zip(
+            jax.tree.leaves(etrax.state_of(a.graph).hidden),
+            jax.tree.leaves(etrax.state_of(b.graph).hidden),
+            strict=True,
+        ):
+            np.testing.assert_allclose(u, v, rtol=0, atol=1e-12)
+        assert b.etrace_evolve(xs) is None
+
+
+class RandomStart(brainstate.nn.Module):
+    """A leaky layer whose initial hidden state is drawn from brainstate's generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(brainstate.random.normal(size=(4,)))
+
+    def update(self, x: Array) -> Array:
+        self.h.value = 0.9 * self.h.value + jnp.tanh(self.fc(x))
+        return self.h.value
+
+
+def test_one_step_call_and_seed_and_report(capsys: pytest.CaptureFixture[str]) -> None:
+    learner, xs, _ = setup(etrax.DRTRL(chunk_steps=1))
+    y0 = learner(xs[0])
+    learner.reset()
+    outs = learner.etrace_evolve(xs[:1], return_outputs=True)
+    np.testing.assert_allclose(y0, outs[0], rtol=0, atol=1e-12)
+
+    def start(seed: int) -> Array:
+        lrn = etrax.compile(RandomStart(), "d_rtrl", jnp.zeros(3), seed=seed)
+        h: Array = etrax.state_of(lrn.graph).hidden[("h",)]
+        return h
+
+    np.testing.assert_array_equal(start(3), start(3))
+    assert not np.array_equal(start(3), start(4))
+    etrax.compile(LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros(3), verbose=True)
+    assert "relation" in capsys.readouterr().out.lower()
+
+
+def test_reset_restores_states_no_reset_state_resets() -> None:
+    """`LeakyTanh` creates its state in ``init_state`` and has no ``reset_state``:
+    `reset` still returns it (and the traces) to the start."""
+    learner, xs, ys = setup(etrax.DRTRL(chunk_steps=1))
+    start = etrax.state_of(learner.graph).hidden
+    first = learner.etrace_grad(xs, ys, mse)
+    moved = etrax.state_of(learner.graph).hidden
+    assert any(not np.array_equal(start[p], moved[p]) for p in start)
+    learner.reset()
+    for p in start:
+        np.testing.assert_array_equal(etrax.state_of(learner.graph).hidden[p], start[p])
+    again = learner.etrace_grad(xs, ys, mse)
+    for p in first:
+        assert rel(again[p], first[p]) == 0.0
