@@ -133,3 +133,55 @@ def test_reset_restores_states_no_reset_state_resets() -> None:
     again = learner.etrace_grad(xs, ys, mse)
     for p in first:
         assert rel(again[p], first[p]) == 0.0
+
+
+class TwoLayerSpiking(brainstate.nn.Module):
+    """``Linear → spiking → Linear → spiking`` with every default."""
+
+    def __init__(self, neuron: Any, threshold: float = 1.0) -> None:
+        super().__init__()
+        self.fc1, self.n1 = etrax.nn.Linear(10, 32), neuron(32, v_th=threshold)
+        self.fc2, self.n2 = etrax.nn.Linear(32, 16), neuron(16, v_th=threshold)
+
+    def update(self, x: Array) -> tuple[Array, Array]:
+        s1 = self.n1(self.fc1(x))
+        return s1, self.n2(self.fc2(s1))
+
+
+@pytest.mark.parametrize("neuron", [etrax.nn.LIF, etrax.nn.ALIF])
+def test_default_spiking_layers_spike_on_unit_scale_input(neuron: Any) -> None:
+    brainstate.random.seed(0)
+    model = TwoLayerSpiking(neuron)
+    brainstate.nn.init_all_states(model, batch_size=8)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((8, 10)))
+    xs = jax.random.normal(jax.random.key(0), (60, 8, 10))  # unit scale
+    (s1, s2), _, _ = etrax.multi_step(graph, etrax.state_of(graph), xs)
+    assert 0.02 < float(s1.mean()) < 0.5 and 0.02 < float(s2.mean()) < 0.5
+
+
+def test_a_silent_network_warns() -> None:
+    brainstate.random.seed(0)
+
+    def loss(y: tuple[Array, Array], t: Array) -> Array:
+        return jnp.sum((y[1] - t) ** 2)
+
+    silent = etrax.compile(
+        TwoLayerSpiking(etrax.nn.LIF, threshold=1e3),
+        etrax.DRTRL(),
+        jnp.zeros((8, 10)),
+        batch_size=8,
+    )
+    xs = jax.random.normal(jax.random.key(0), (20, 8, 10))
+    with pytest.warns(etrax.SilentNetworkWarning) as record:
+        silent.etrace_grad(xs, jnp.ones((20, 8, 16)), loss)
+    messages = " | ".join(str(w.message) for w in record)
+    assert "every gradient is exactly zero" in messages
+    assert "hidden group(s) [1] did not change" in messages  # no spike reaches layer 2
+    alive = etrax.compile(
+        TwoLayerSpiking(etrax.nn.LIF), etrax.DRTRL(), jnp.zeros((8, 10)), batch_size=8
+    )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", etrax.SilentNetworkWarning)
+        alive.etrace_grad(xs, jnp.ones((20, 8, 16)), loss)

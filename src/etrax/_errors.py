@@ -94,3 +94,8 @@ class RecursiveCompileError(CompilationError):
 
 class StepInputError(EtraxError, ValueError):
     """The inputs or state given to a step do not match the compiled graph."""
+
+
+class SilentNetworkWarning(UserWarning):
+    """A learner saw a sequence over which a hidden group never changed, or after
+    which every gradient was exactly zero (a silent spiking layer, a dead input)."""

@@ -6,6 +6,7 @@ in the model (read before, written after each call); traces live in the learner.
 """
 
 import pathlib
+import warnings
 from collections.abc import Callable
 from typing import Any, BinaryIO, Literal
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from .._errors import StepInputError
+from .._errors import SilentNetworkWarning, StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import CompilationReport, CompilePolicy, ETraceGraph, compile_etrace_graph
@@ -169,9 +170,37 @@ class OnlineLearner:
             window=window,
             modulators=modulators,
         )
+        self._warn_if_silent(state_of(self.graph), aux["state"], grads)
         write_back(self.graph, aux["state"])
         self.traces = aux["traces"]
         return (grads, aux["losses"]) if return_value else grads
+
+    def _warn_if_silent(
+        self, before: ModelState, after: ModelState, grads: PathDict[PyTree]
+    ) -> None:
+        """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
+        sequence, or every gradient is exactly zero."""
+        still = [
+            g.index
+            for g in self.graph.hidden_groups
+            if all(bool(jnp.array_equal(before.hidden[p], after.hidden[p])) for p in g.hidden_paths)
+        ]
+        if still:
+            warnings.warn(
+                f"hidden group(s) {still} did not change over the sequence: the inputs may "
+                "not reach them, or a layer is saturated",
+                SilentNetworkWarning,
+                stacklevel=3,
+            )
+        leaves = jax.tree.leaves(grads)
+        if leaves and not any(bool(jnp.any(g != 0)) for g in leaves):
+            warnings.warn(
+                "every gradient is exactly zero over this sequence: a spiking layer may be "
+                "silent (no membrane near threshold; see etrax.nn.LIF's R and the input "
+                "scale) or the loss does not depend on the parameters",
+                SilentNetworkWarning,
+                stacklevel=3,
+            )
 
     def _weighted(
         self, xs: Any, ys: Any, loss_fn: LossFn, mask: Any, reduction: str

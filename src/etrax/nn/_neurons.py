@@ -36,7 +36,7 @@ class _Leaky(brainstate.nn.Module):
         size: int | tuple[int, ...],
         tau: float,
         dt: float,
-        R: float,
+        R: float | None,
         v_th: float,
         v_reset: float,
         surrogate: Surrogate | None,
@@ -51,7 +51,9 @@ class _Leaky(brainstate.nn.Module):
         self.in_size = self.size
         self.out_size = self.size
         self.alpha = math.exp(-dt / tau)
-        self.R = R
+        # default: the current enters unscaled (R = 1/(1 − α)), so inputs of unit scale
+        # drive the membrane across a unit threshold
+        self.R = 1.0 / (1.0 - self.alpha) if R is None else R
         self.v_th = v_th
         self.v_reset = v_reset
         self.surrogate = ReluGrad() if surrogate is None else surrogate
@@ -83,7 +85,12 @@ class LIF(_Leaky):
 
     - `size`: number of neurons, or the per-sample shape of the population (e.g.
         ``(positions, channels)`` behind a convolution).
-    - `tau`, `dt`: membrane time constant and step (same unit); `R`: resistance.
+    - `tau`, `dt`: membrane time constant and step (same unit).
+    - `R`: the resistance. The input current is scaled by ``(1 − α) R`` with
+      ``α = e^{−dt/τ}``; the default ``R = 1/(1 − α)`` adds the current unscaled, so
+      a layer fed by a default `etrax.nn.Linear` on inputs of unit scale spikes. A
+      classic LIF's ``R = 1`` scales it by ``1 − e^{−dt/τ}`` (``≈ dt/τ``): then the
+      input weights must be about ``τ/dt`` times larger, or the layer stays silent.
     - `v_th`, `v_reset`: threshold and reset potential.
     - `surrogate`: the spike's pseudo-derivative (default `ReluGrad()`).
     - `detach_reset`: stop gradients through the reset term.
@@ -94,7 +101,7 @@ class LIF(_Leaky):
         size: int | tuple[int, ...],
         tau: float = 20.0,
         dt: float = 1.0,
-        R: float = 1.0,
+        R: float | None = None,
         v_th: float = 1.0,
         v_reset: float = 0.0,
         surrogate: Surrogate | None = None,
@@ -135,7 +142,7 @@ class ALIF(_Leaky):
         tau_a: float = 200.0,
         beta: float = 0.1,
         dt: float = 1.0,
-        R: float = 1.0,
+        R: float | None = None,
         v_th: float = 1.0,
         v_reset: float = 0.0,
         surrogate: Surrogate | None = None,
