@@ -183,7 +183,13 @@ class OnlineLearner:
         still = [
             g.index
             for g in self.graph.hidden_groups
-            if all(bool(jnp.array_equal(before.hidden[p], after.hidden[p])) for p in g.hidden_paths)
+            if all(
+                bool(jnp.array_equal(a, b))  # leaf by leaf: values may carry units
+                for p in g.hidden_paths
+                for a, b in zip(
+                    jax.tree.leaves(before.hidden[p]), jax.tree.leaves(after.hidden[p]), strict=True
+                )
+            )
         ]
         if still:
             warnings.warn(

@@ -227,10 +227,10 @@ def cast_inputs(graph: ETraceGraph, args: Any, leading: int = 0) -> Any:
             out.append(leaf)
         elif isinstance(leaf, int | float) and leading == 0:
             out.append(jnp.asarray(leaf, want))
-        elif isinstance(leaf, jax.ShapeDtypeStruct):
-            out.append(leaf)
+        elif not isinstance(leaf, np.ndarray | jax.Array):
+            out.append(leaf)  # structs, quantities with units, …: left to the check
         else:
-            have = np.dtype(shape_dtype(leaf)[1])  # the leaf's own dtype (NumPy's too)
+            have = np.dtype(leaf.dtype)  # the leaf's own dtype (NumPy's too)
             both_float = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(want, jnp.floating)
             out.append(jnp.asarray(leaf, want) if have != want and both_float else leaf)
     return jax.tree.unflatten(treedef, out)
