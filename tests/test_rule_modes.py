@@ -19,13 +19,13 @@ from .models import TanhRNN, build
 TOL = 1e-10
 B, T = 4, 3
 
+# One rule per engine, scope, signal and filter (a recursion only replaces D, which every
+# mode computes the same way).
 RULES: dict[str, Callable[[], etrax.OnlineAlgorithm[Any]]] = {
     "drtrl-chunked": lambda: etrax.DRTRL(chunk_steps=2),
     "pp-prop-chunked": lambda: etrax.PPProp(0.8, chunk_steps=2),
     "eprop-kappa": lambda: etrax.EProp(kappa=0.5),
     "eprop-random": lambda: etrax.EProp(feedback="random", key=jax.random.key(2)),
-    "scalar-leak": lambda: etrax.LearningRule(etrax.PerParameter(), etrax.ScalarLeak(0.7)),
-    "ostl-feedforward": lambda: etrax.OSTLFeedforward(),
     "ostl-recurrent": lambda: etrax.OSTLRecurrent(),
     "snap-2": lambda: etrax.SnAp(2),
     "uoro": lambda: etrax.UORO(jax.random.key(3)),
