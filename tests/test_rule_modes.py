@@ -64,6 +64,22 @@ def setup() -> dict[str, Any]:
     return {"g1": g1, "gb": gb, "gh": gh, "s1": s1, "sb": sb, "xs": xs, "ts": ts, "ms": ms}
 
 
+def sharded_grads(setup: dict[str, Any], grads_of: Callable[..., Any], *sequences: Array) -> Any:
+    """``psum`` over two devices of ``grads_of(half_graph, state, *sequences)``, each
+    device holding half of the batch (`sequences` are ``(T, B, …)``)."""
+    gh, sb = setup["gh"], setup["sb"]
+    other = etrax.state_of(gh).other
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+
+    def shard(params: Any, h: Any, *seqs: Array) -> Any:
+        state = etrax.ModelState(params, h, other)
+        return jax.lax.psum(grads_of(gh, state, *seqs), "data")  # type: ignore[no-untyped-call]  # unannotated in JAX
+
+    specs = (P(), P("data"), *(P(None, "data") for _ in sequences))
+    f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=P()))
+    return f(sb.params, sb.hidden, *sequences)
+
+
 def _kw(rule: etrax.OnlineAlgorithm[Any], ms: Array) -> dict[str, Any]:
     return {"modulators": ms} if rule.needs_modulator else {}
 
@@ -71,7 +87,7 @@ def _kw(rule: etrax.OnlineAlgorithm[Any], ms: Array) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(RULES))
 def test_rule_batched_vmapped_and_sharded_agree(setup: dict[str, Any], name: str) -> None:
     rule = RULES[name]()
-    g1, gb, gh, s1, sb = setup["g1"], setup["gb"], setup["gh"], setup["s1"], setup["sb"]
+    g1, gb, s1, sb = setup["g1"], setup["gb"], setup["s1"], setup["sb"]
     # UORO draws its noise over the whole (batched) group, so only its exact first step
     # is the same in every mode
     steps = 1 if name == "uoro" else T
@@ -93,22 +109,7 @@ def test_rule_batched_vmapped_and_sharded_agree(setup: dict[str, Any], name: str
 
     if name == "uoro":  # the noise is drawn per device
         return
-    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    s_half = etrax.state_of(gh)
-
-    def shard(params: Any, h: Any, x: Array, t: Array, m: Array) -> Any:
-        state = etrax.ModelState(params, h, s_half.other)
-        return jax.lax.psum(run(gh, state, x, t, m), "data")  # type: ignore[no-untyped-call]  # unannotated in JAX
-
-    sharded = jax.jit(
-        jax.shard_map(
-            shard,
-            mesh=mesh,
-            in_specs=(P(), P("data"), P(None, "data"), P(None, "data"), P(None, "data")),
-            out_specs=P(),
-        )
-    )(sb.params, sb.hidden, xs, ts, ms)
-    close(sharded, batched)
+    close(sharded_grads(setup, run, xs, ts, ms), batched)
 
 
 @pytest.mark.parametrize("name", [n for n in RULES if RULES[n]().symmetric])
@@ -124,25 +125,13 @@ def test_symmetric_rules_run_with_windows(setup: dict[str, Any], name: str) -> N
     assert set(short) == set(ref)
     if name not in ("drtrl-chunked", "pp-prop-chunked", "ostl-recurrent"):
         return  # one rule per factorisation engine and scope kind (UORO: noise per device)
+
     # the same windows split over two devices
-    gh = setup["gh"]
-    s_half = etrax.state_of(gh)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    def windowed(graph: etrax.ETraceGraph, state: etrax.ModelState, x: Array, t: Array) -> Any:
+        result = etrax.online_grad(graph, rule, state, rule.init(graph, state), x, t, mse, window=2)
+        return dict(result.grads)
 
-    def shard(params: Any, h: Any, x: Array, t: Array) -> Any:
-        state = etrax.ModelState(params, h, s_half.other)
-        result = etrax.online_grad(gh, rule, state, rule.init(gh, state), x, t, mse, window=2)
-        return jax.lax.psum(dict(result.grads), "data")  # type: ignore[no-untyped-call]  # unannotated in JAX
-
-    sharded = jax.jit(
-        jax.shard_map(
-            shard,
-            mesh=mesh,
-            in_specs=(P(), P("data"), P(None, "data"), P(None, "data")),
-            out_specs=P(),
-        )
-    )(sb.params, sb.hidden, xs, ts)
-    close(sharded, dict(short))
+    close(sharded_grads(setup, windowed, xs, ts), dict(short))
 
 
 def test_dni_runs_batched_mapped_and_sharded(setup: dict[str, Any]) -> None:
@@ -150,7 +139,7 @@ def test_dni_runs_batched_mapped_and_sharded(setup: dict[str, Any]) -> None:
     modes differ once it has learned; each mode runs, and with a synthesiser that
     cannot learn yet (the first window) they agree."""
     rule = etrax.DNI()
-    g1, gb, gh, s1, sb = setup["g1"], setup["gb"], setup["gh"], setup["s1"], setup["sb"]
+    g1, gb, s1, sb = setup["g1"], setup["gb"], setup["s1"], setup["sb"]
     xs, ts = setup["xs"], setup["ts"]
 
     def run(graph: etrax.ETraceGraph, state: etrax.ModelState, x: Array, t: Array) -> Any:
@@ -162,21 +151,6 @@ def test_dni_runs_batched_mapped_and_sharded(setup: dict[str, Any]) -> None:
         lambda h, x, t: run(g1, s1.replace_hidden({("h",): h}), x, t), in_axes=(0, 1, 1)
     )(sb.hidden[("h",)], xs, ts)
     close({p: jax.tree.map(lambda g: g.sum(0), v) for p, v in mapped.items()}, batched)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    s_half = etrax.state_of(gh)
-
-    def shard(params: Any, h: Any, x: Array, t: Array) -> Any:
-        state = etrax.ModelState(params, h, s_half.other)
-        return jax.lax.psum(run(gh, state, x, t), "data")  # type: ignore[no-untyped-call]  # unannotated in JAX
-
-    sharded = jax.jit(
-        jax.shard_map(
-            shard,
-            mesh=mesh,
-            in_specs=(P(), P("data"), P(None, "data"), P(None, "data")),
-            out_specs=P(),
-        )
-    )(sb.params, sb.hidden, xs, ts)
-    close(sharded, batched)
+    close(sharded_grads(setup, run, xs, ts), batched)
     two = etrax.online_grad(gb, rule, sb, rule.init(gb, sb), xs, ts, mse, window=1)
     assert two.synthesiser is not None and set(two.grads) == set(batched)
