@@ -1,5 +1,9 @@
 """Developer tasks. `nox -s typecheck tests` is the test command."""
 
+import pathlib
+import shutil
+import sys
+
 import nox
 
 nox.options.sessions = ["typecheck", "tests"]
@@ -19,9 +23,25 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over src/, tests/, examples/ and benchmarks/ (stubs for brainstate in typings/)."""
+    """mypy --strict over src/, tests/, examples/ and benchmarks/ (stubs for brainstate in
+    typings/); then a user's view: typing_check/user_code.py checked with ``mypy --strict
+    --disallow-any-expr`` against the package installed (not editable) in a separate
+    virtual environment, from outside the repository (no typings/, no mypy settings)."""
     session.install("-e", ".[typecheck]")
     session.run("mypy", "--strict", "src", "tests", "examples", "benchmarks")
+    user = pathlib.Path(session.create_tmp()).resolve() / "usertypes"
+    python = user / "venv" / "bin" / "python"
+    if not python.exists():  # kept between local runs, as nox keeps its own; fresh in CI
+        session.run(sys.executable, "-m", "venv", str(user / "venv"), external=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    session.run(*pip, ".", "mypy>=1.15", external=True)
+    session.run(*pip, "--no-deps", "--force-reinstall", ".", external=True)  # this checkout
+    shutil.copy("typing_check/user_code.py", user / "user_code.py")
+    with session.chdir(user):
+        session.run(
+            str(python), "-m", "mypy", "--strict", "--disallow-any-expr", "--warn-unreachable",
+            "user_code.py", external=True,
+        )  # fmt: skip
 
 
 @nox.session(python=PYTHON)

@@ -383,7 +383,7 @@ def test_passing_the_model_where_a_graph_is_expected() -> None:
     calls: dict[str, Callable[[], Any]] = {
         "state_of": lambda: etrax.state_of(gru),  # type: ignore[arg-type]  # the slip under test
         "the step": lambda: etrax.step(gru, state, xs[0]),  # type: ignore[arg-type]  # the slip under test
-        "online_grad": lambda: etrax.online_grad(gru, etrax.DRTRL(), state, None, xs, ts, mse),  # type: ignore[arg-type, misc]  # the slip under test
+        "online_grad": lambda: etrax.online_grad(gru, etrax.DRTRL(), state, None, xs, ts, mse),  # type: ignore[arg-type]  # the slip under test
         "bptt_grad": lambda: etrax.bptt_grad(gru, state, xs, ts, mse),  # type: ignore[arg-type]  # the slip under test
     }
     before = jaxtyping.config.jaxtyping_disable

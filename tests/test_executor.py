@@ -88,6 +88,7 @@ def test_pullback_matches_grad() -> None:
     assert [g.shape for g in l_h] == [(4, 1), (5, 1)]
     m: Any = model
     w = state.params[("out", "weight")]
+    assert isinstance(w, dict)
     np.testing.assert_allclose(l_h[1][:, 0], w["weight"] @ cot, rtol=0, atol=TOL)
     # a cotangent on the new hidden values adds directly
     extra = {p: jnp.ones_like(v) for p, v in new.hidden.items()}

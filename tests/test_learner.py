@@ -1,7 +1,7 @@
 """The brainstate-facing learner: masks and reductions against BPTT through the model's
 own update, evolving without gradients, one-step calls, seeds and reports."""
 
-from typing import Any
+from typing import Any, Literal
 
 import brainstate
 import jax
@@ -41,7 +41,7 @@ def rel(a: Any, b: Any) -> float:
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_mask_and_reduction_against_bptt(reduction: str) -> None:
+def test_mask_and_reduction_against_bptt(reduction: Literal["sum", "mean"]) -> None:
     """The model is exact under D-RTRL, so the masked online gradient equals the gradient
     of the same masked loss through brainstate's own update."""
     learner, xs, ys = setup(etrax.DRTRL(chunk_steps=1))
@@ -54,7 +54,7 @@ def test_mask_and_reduction_against_bptt(reduction: str) -> None:
         return wt * mse(y, t)
 
     ref = bptt_grads(learner.model, state, xs, (ys, w), weighted)
-    got = learner.etrace_grad(xs, ys, mse, mask=mask, reduction=reduction)  # type: ignore[arg-type]
+    got = learner.etrace_grad(xs, ys, mse, mask=mask, reduction=reduction)
     for p in ref:
         assert rel(got[p], ref[p]) < TOL, p
     # without a mask, "mean" divides by T
@@ -185,3 +185,137 @@ def test_a_silent_network_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", etrax.SilentNetworkWarning)
         alive.etrace_grad(xs, jnp.ones((20, 8, 16)), loss)
+
+
+# --- has_aux, loss_output, vmap ------------------------------------------------------------
+
+
+def mse_and_output(y: Array, t: Array) -> tuple[Array, Array]:
+    return mse(y, t), y
+
+
+def setup_vmap(rule: etrax.OnlineAlgorithm[Any]) -> etrax.OnlineLearner:
+    """`setup`'s model written per sample and mapped over the same batch of 2."""
+    brainstate.random.seed(0)
+    return etrax.compile(LeakyTanhReadout(3, 5), rule, jnp.zeros((2, 3)), batch_size=2, vmap=True)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_has_aux_returns_the_aux_and_leaves_the_gradients(window: int | None) -> None:
+    """The aux comes back stacked over time (here the outputs, checked against
+    `etrace_evolve`'s); the gradients, state and traces are those without aux. T = 6
+    with windows of 4 and chunks of 4 leaves a shorter last block."""
+    rule = etrax.DRTRL(chunk_steps=4)
+    plain, xs, ys = setup(rule)
+    aux_l, _, _ = setup(rule)
+    outs_l, _, _ = setup(rule)
+    mask = jnp.asarray([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    cases: list[tuple[Array | None, Literal["sum", "mean"]]] = [(None, "sum"), (mask, "mean")]
+    for m, how in cases:
+        want, want_losses = plain.etrace_grad(
+            xs, ys, mse, mask=m, reduction=how, window=window, return_value=True
+        )
+        grads, losses, outs = aux_l.etrace_grad(
+            xs, ys, mse_and_output, mask=m, reduction=how, window=window, has_aux=True,
+            return_value=True,
+        )  # fmt: skip
+        ref = outs_l.etrace_evolve(xs, return_outputs=True)
+        assert outs.shape == (T, 2, 2)
+        np.testing.assert_allclose(outs, ref, rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(losses, want_losses)
+        for p in want:
+            assert rel(grads[p], want[p]) == 0.0, p
+        for a, b in zip(jax.tree.leaves(aux_l.traces), jax.tree.leaves(plain.traces), strict=True):
+            np.testing.assert_array_equal(a, b)
+    # both: (grads, losses, aux); and loss_output picks the losses
+    for lrn in (plain, aux_l):
+        lrn.reset()
+    _, losses, outs = aux_l.etrace_grad(
+        xs, ys, mse_and_output, mask=mask, has_aux=True, return_value=True, loss_output="per_step"
+    )
+    raw = jnp.stack([mse(outs[t], ys[t]) for t in range(T)])
+    np.testing.assert_allclose(losses, raw, rtol=1e-13)
+    assert float(jnp.min(losses)) > 0  # the masked steps' raw losses too
+    _, weighted = plain.etrace_grad(xs, ys, mse, mask=mask, return_value=True)
+    np.testing.assert_allclose(weighted, mask * raw, rtol=1e-13)
+    plain.reset()
+    _, total = plain.etrace_grad(xs, ys, mse, mask=mask, return_value=True, loss_output="total")
+    assert total.shape == () and abs(float(total) - float(jnp.sum(mask * raw))) < 1e-12
+
+
+def unchecked(f: Any) -> Any:
+    """`f` without the test run's runtime type checker (which refuses ill-typed
+    arguments first, with its own message), to reach etrax's own checks."""
+    return getattr(f, "__wrapped__", f)
+
+
+def test_learner_arguments_are_checked() -> None:
+    learner, xs, ys = setup(etrax.DRTRL())
+    with pytest.raises(etrax.StepInputError, match="has_aux=True"):
+        learner.etrace_grad(xs, ys, mse_and_output)  # type: ignore[arg-type]
+    with pytest.raises(etrax.StepInputError, match="pair"):
+        learner.etrace_grad(xs, ys, mse, has_aux=True)
+    grad = unchecked(etrax.OnlineLearner.etrace_grad)
+    with pytest.raises(TypeError, match="has_aux must be True or False"):
+        grad(learner, xs, ys, mse, has_aux=1)
+    with pytest.raises(TypeError, match="return_value must be True or False"):
+        grad(learner, xs, ys, mse, return_value="yes")
+    with pytest.raises(ValueError, match="loss_output must be"):
+        grad(learner, xs, ys, mse, loss_output="masked")
+    with pytest.raises(TypeError, match="needs loss_fn"):
+        grad(learner, xs, ys)
+    build = unchecked(etrax.compile)
+    with pytest.raises(ValueError, match="batch_size=B"):
+        build(LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros((2, 3)), vmap=True)
+    with pytest.raises(TypeError, match="vmap must be True or False"):
+        build(LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros((2, 3)), batch_size=2, vmap=1)
+    with pytest.raises(etrax.StepInputError, match="leading batch axis of size batch_size=2"):
+        etrax.compile(LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros((3,)), batch_size=2, vmap=True)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [etrax.DRTRL(chunk_steps=4), etrax.PPProp(0.8), etrax.EProp(kappa=0.5)],
+    ids=["drtrl", "pp_prop", "eprop"],
+)
+def test_vmap_equals_the_batched_learner(rule: etrax.OnlineAlgorithm[Any]) -> None:
+    """The per-sample graph mapped over the batch gives the batched-in-state learner's
+    gradients, losses, aux, states and outputs, over two calls that carry state and
+    traces, with a mask and a mean; and after a reset."""
+    batched, xs, ys = setup(rule)
+    mapped = setup_vmap(rule)
+    mapped.params = batched.params
+    assert [g.varshape for g in mapped.graph.hidden_groups] == [(5,)]  # one sample
+    assert [g.varshape for g in batched.graph.hidden_groups] == [(2, 5)]
+    mask = jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    cases: list[tuple[Array | None, Literal["sum", "mean"]]] = [(None, "sum"), (mask, "mean")]
+    for m, how in cases:
+        for lrn in (batched, mapped):
+            lrn.reset()
+        for _ in range(2):
+            want, want_l, want_y = batched.etrace_grad(
+                xs, ys, mse_and_output, mask=m, reduction=how, has_aux=True, return_value=True
+            )
+            got, got_l, got_y = mapped.etrace_grad(
+                xs, ys, mse_and_output, mask=m, reduction=how, has_aux=True, return_value=True
+            )
+            for p in want:
+                assert rel(got[p], want[p]) < TOL, p
+            np.testing.assert_allclose(got_l, want_l, rtol=1e-12)
+            np.testing.assert_allclose(got_y, want_y, rtol=1e-12)
+            for p, h in batched.state.hidden.items():
+                np.testing.assert_allclose(mapped.state.hidden[p], h, rtol=1e-12)
+    np.testing.assert_allclose(
+        mapped.etrace_evolve(xs, return_outputs=True),
+        batched.etrace_evolve(xs, return_outputs=True),
+        rtol=1e-12,
+    )
+    np.testing.assert_allclose(mapped(xs[0]), batched(xs[0]), rtol=1e-12)
+    want_b = batched.bptt_grad(xs, ys, mse)
+    got_b = mapped.bptt_grad(xs, ys, mse)
+    for p in want_b:
+        assert rel(got_b[p], want_b[p]) < TOL, p
+    # a vmap learner may be reset to another batch size
+    mapped.reset(batch_size=3)
+    assert all(h.shape[0] == 3 for h in mapped.state.hidden.values())
+    assert mapped.etrace_grad(xs[:, [0, 1, 1]], ys[:, [0, 1, 1]], mse).keys() == want.keys()

@@ -37,6 +37,7 @@ from ._errors import (
     WeightNotParamStateError,
 )
 from ._pathdict import PathDict
+from ._typing import ArrayTree, Path
 from .algorithms import (
     DNI,
     DRTRL,
@@ -184,6 +185,7 @@ __all__ = [
     "DRTRL",
     "ESDRTRL",
     "UORO",
+    "ArrayTree",
     "BPTTResult",
     "Bootstrapped",
     "Checkpoint",
@@ -230,6 +232,7 @@ __all__ = [
     "ParamStateWriteError",
     "ParamTraces",
     "ParamUse",
+    "Path",
     "PathDict",
     "PerParameter",
     "ProjectionTraces",

@@ -11,18 +11,20 @@ model's brainstate states.
 """
 
 import pathlib
-from typing import BinaryIO
+from typing import BinaryIO, Generic, TypeVar
 
 import equinox as eqx
 
 from ._errors import StepInputError
-from ._typing import PyTree
 from .executor import ModelState
 
 __all__ = ["Checkpoint", "load_checkpoint", "save_checkpoint"]
 
+TraceT = TypeVar("TraceT")
+OptT = TypeVar("OptT")
 
-class Checkpoint(eqx.Module):
+
+class Checkpoint(eqx.Module, Generic[TraceT, OptT]):
     """What a run carries from one call to the next.
 
     **Arguments:**
@@ -33,11 +35,13 @@ class Checkpoint(eqx.Module):
     """
 
     state: ModelState
-    traces: PyTree
-    opt_state: PyTree = None
+    traces: TraceT
+    opt_state: OptT
 
 
-def save_checkpoint(path_or_file: str | pathlib.Path | BinaryIO, checkpoint: Checkpoint) -> None:
+def save_checkpoint(
+    path_or_file: str | pathlib.Path | BinaryIO, checkpoint: Checkpoint[TraceT, OptT]
+) -> None:
     """Write `checkpoint`'s arrays to a file (equinox leaf serialisation).
 
     !!! Example
@@ -53,7 +57,9 @@ def save_checkpoint(path_or_file: str | pathlib.Path | BinaryIO, checkpoint: Che
     eqx.tree_serialise_leaves(path_or_file, checkpoint)
 
 
-def load_checkpoint(path_or_file: str | pathlib.Path | BinaryIO, like: Checkpoint) -> Checkpoint:
+def load_checkpoint(
+    path_or_file: str | pathlib.Path | BinaryIO, like: Checkpoint[TraceT, OptT]
+) -> Checkpoint[TraceT, OptT]:
     """Read a checkpoint written by `save_checkpoint` into the structure of `like`.
 
     `like` is a `Checkpoint` of the same model, rule and optimiser, e.g.
@@ -64,7 +70,7 @@ def load_checkpoint(path_or_file: str | pathlib.Path | BinaryIO, like: Checkpoin
     if not isinstance(like, Checkpoint):
         raise TypeError(f"load_checkpoint needs a Checkpoint template, got {type(like).__name__}")
     try:
-        loaded: Checkpoint = eqx.tree_deserialise_leaves(path_or_file, like)
+        loaded: Checkpoint[TraceT, OptT] = eqx.tree_deserialise_leaves(path_or_file, like)
     except (RuntimeError, ValueError) as err:
         raise StepInputError(
             f"the checkpoint does not fit the template: {err}. Build the template from the "

@@ -3,7 +3,17 @@ sequence length) and `bptt_grad` (exact backpropagation through time)."""
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    NamedTuple,
+    NotRequired,
+    TypeAlias,
+    TypedDict,
+    TypeVar,
+    cast,
+)
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +22,7 @@ from jaxtyping import Array
 from .._compat import shape_struct, vary_like, vary_tree
 from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
-from .._typing import Path, PyTree
+from .._typing import ArrayTree, Path, PyTree
 from ..compiler import ETraceGraph, WeightRule
 from ..executor import (
     ModelState,
@@ -44,40 +54,73 @@ from ._weights import (
     zeros_like_params,
 )
 
-__all__ = ["BPTTResult", "OnlineResult", "bptt_grad", "online_evolve", "online_grad"]
+__all__ = [
+    "BPTTAux",
+    "BPTTResult",
+    "OnlineAux",
+    "OnlineResult",
+    "bptt_grad",
+    "online_evolve",
+    "online_grad",
+]
 
 LossFn = Callable[[PyTree, PyTree], Array]
+AuxT = TypeVar("AuxT")
+AuxLossFn = Callable[[PyTree, PyTree], tuple[Array, AuxT]]
+"""A loss that also returns auxiliary data: ``loss_fn(y_t, target_t) -> (scalar, aux_t)``."""
 TraceT = TypeVar("TraceT")
 
 
-class OnlineResult(NamedTuple):
+class OnlineAux(TypedDict, Generic[TraceT]):
+    """The ``aux`` of an `OnlineResult`: a dict with these keys."""
+
+    losses: Array
+    state: "ModelState"
+    traces: TraceT
+    loss_aux: NotRequired[ArrayTree]
+    synthesiser: NotRequired[SyntheticGradient]
+
+
+class BPTTAux(TypedDict):
+    """The ``aux`` of a `BPTTResult`: a dict with these keys."""
+
+    losses: Array
+    state: "ModelState"
+
+
+class OnlineResult(NamedTuple, Generic[TraceT]):
     """What `online_grad` returns: unpacks as ``grads, aux`` (SPEC's contract), and
     names each part.
 
     **Arguments:**
 
     - `grads`: the gradient of every parameter, shaped like ``state.params``.
-    - `aux`: ``losses`` ``(T,)``, the final ``state`` and ``traces``, and (for `DNI`)
+    - `aux`: ``losses`` ``(T,)``, the final ``state`` and ``traces``, with
+      ``has_aux=True`` the loss's stacked auxiliary data ``loss_aux``, and (for `DNI`)
       the trained ``synthesiser``.
     """
 
-    grads: PathDict[PyTree]
-    aux: dict[str, Any]
+    grads: PathDict[ArrayTree]
+    aux: OnlineAux[TraceT]
 
     @property
     def losses(self) -> Array:
         """The per-step losses, ``(T,)``."""
-        out: Array = self.aux["losses"]
-        return out
+        return self.aux["losses"]
 
     @property
     def state(self) -> ModelState:
         """The state after the sequence."""
-        out: ModelState = self.aux["state"]
-        return out
+        return self.aux["state"]
 
     @property
-    def traces(self) -> Any:
+    def loss_aux(self) -> ArrayTree:
+        """With ``has_aux=True``, the auxiliary data the loss returned at each step,
+        stacked over time (a leading axis ``T``); else `None`."""
+        return self.aux.get("loss_aux")
+
+    @property
+    def traces(self) -> TraceT:
         """The traces after the sequence (pass them to the next call); of the type the
         rule's ``init`` returns."""
         return self.aux["traces"]
@@ -85,8 +128,20 @@ class OnlineResult(NamedTuple):
     @property
     def synthesiser(self) -> SyntheticGradient | None:
         """The trained synthesiser of a rule with synthetic gradients, else `None`."""
-        out: SyntheticGradient | None = self.aux.get("synthesiser")
-        return out
+        return self.aux.get("synthesiser")
+
+
+if TYPE_CHECKING:
+    _OnlineResultOf: TypeAlias = OnlineResult[TraceT]
+else:
+
+    class _OnlineResultOf:
+        """A plain ``tuple`` at run time, whatever its subscript: the runtime checker
+        (beartype) refuses a generic `NamedTuple` as a hint (the tests check the
+        result's type)."""
+
+        def __class_getitem__(cls, item: object) -> type:
+            return tuple
 
 
 class BPTTResult(NamedTuple):
@@ -98,20 +153,18 @@ class BPTTResult(NamedTuple):
     - `aux`: ``losses`` ``(T,)`` and the final ``state``.
     """
 
-    grads: PathDict[PyTree]
-    aux: dict[str, Any]
+    grads: PathDict[ArrayTree]
+    aux: BPTTAux
 
     @property
     def losses(self) -> Array:
         """The per-step losses, ``(T,)``."""
-        out: Array = self.aux["losses"]
-        return out
+        return self.aux["losses"]
 
     @property
     def state(self) -> ModelState:
         """The state after the sequence."""
-        out: ModelState = self.aux["state"]
-        return out
+        return self.aux["state"]
 
 
 # --- one step with the learning signal and the instantaneous gradient --------------------
@@ -122,14 +175,20 @@ def _step_grads(
     state: ModelState,
     x: Any,
     target: Any,
-    loss_fn: LossFn,
+    loss_fn: AuxLossFn[Any],
     with_point: bool = False,
 ) -> tuple[
-    Array, ModelState, StepJacobians, tuple[Array, ...], tuple[Array, ...], list[Array], PyTree
+    tuple[Array, PyTree],
+    ModelState,
+    StepJacobians,
+    tuple[Array, ...],
+    tuple[Array, ...],
+    list[Array],
+    PyTree,
 ]:
-    """One step: the loss, the new state, the Jacobians, ``∂L/∂h^t`` and the direct
-    ``∂L/∂h^{t-1}`` per group, the instantaneous gradient of each injected use, and
-    the output cotangent ``∂L/∂y``."""
+    """One step: the loss and its auxiliary data, the new state, the Jacobians,
+    ``∂L/∂h^t`` and the direct ``∂L/∂h^{t-1}`` per group, the instantaneous gradient
+    of each injected use, and the output cotangent ``∂L/∂y``."""
     mi = graph.module_info
     hp = graph.hidden_perturb
     assert hp is not None
@@ -142,7 +201,7 @@ def _step_grads(
     zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
     deltas = _zero_uses(graph, state)
     out, vjp_fn, (hidden, other, hoisted) = jax.vjp(f, zeros, zeros, deltas, has_aux=True)
-    loss, cot = jax.value_and_grad(loss_fn)(out, target)
+    loss_and_aux, cot = jax.value_and_grad(loss_fn, has_aux=True)(out, target)
     g_pert, g_old, g_use = vjp_fn(cot)
     groups = graph.hidden_groups
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
@@ -150,7 +209,8 @@ def _step_grads(
     jac = step_jacobians(graph, step_env(graph, flat, hidden, hoisted))
     if with_point:  # the whole transition, for rules beyond the diagonal scope
         jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(state, as_args(graph, x)))
-    return loss, next_state(graph, state, hidden, other), jac, signals, olds, list(g_use), cot
+    new = next_state(graph, state, hidden, other)
+    return loss_and_aux, new, jac, signals, olds, list(g_use), cot
 
 
 def _overlap(
@@ -195,14 +255,26 @@ def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
+def _with_aux(loss_fn: LossFn | AuxLossFn[Any], has_aux: bool) -> AuxLossFn[Any]:
+    """`loss_fn` as a loss that returns ``(loss, aux)`` (``aux`` `None` without one)."""
+    if has_aux:
+        return loss_fn  # type: ignore[return-value]  # has_aux says which it is
+
+    def plain(y: PyTree, target: PyTree) -> tuple[Array, PyTree]:
+        return loss_fn(y, target), None  # type: ignore[return-value]  # see above
+
+    return plain
+
+
 # --- online, per step or chunked ------------------------------------------------------------
 
 
 def _scan_blocks(
     body: Callable[[Any, Any], Any], carry: Any, seq: Any, K: int, T: int
-) -> tuple[Any, Array]:
+) -> tuple[Any, PyTree]:
     """Run `body` over consecutive blocks of `K` steps of `seq` (the last block may be
-    shorter). Blocks are sliced inside the loop, so the sequence is never copied."""
+    shorter) and concatenate its per-step outputs (a pytree, each leaf ``(K, ...)``
+    per block). Blocks are sliced inside the loop, so the sequence is never copied."""
     n_full, rem = divmod(T, K)
     parts = []
     if n_full:
@@ -211,29 +283,34 @@ def _scan_blocks(
             piece = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * K, K, axis=0), seq)
             return body(c, piece)
 
-        carry, losses = jax.lax.scan(block, carry, jnp.arange(n_full))
-        parts.append(losses.reshape(n_full * K))
+        carry, outs = jax.lax.scan(block, carry, jnp.arange(n_full))
+        parts.append(jax.tree.map(lambda a: a.reshape(n_full * K, *a.shape[2:]), outs))
     if rem:
         tail = jax.tree.map(lambda a: a[n_full * K :], seq)
-        carry, losses_rem = body(carry, tail)
-        parts.append(losses_rem)
-    return carry, jnp.concatenate(parts)
+        carry, outs_rem = body(carry, tail)
+        parts.append(outs_rem)
+    return carry, jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
 def _online_impl(
     graph: ETraceGraph,
-    loss_fn: LossFn,
+    user_loss: LossFn | AuxLossFn[Any],
     window: int | None,
     algo: OnlineAlgorithm[TraceT],
     state: ModelState,
     traces: TraceT,
     xs: Any,
     targets: Any,
-    modulators: PyTree | None,
-    synthesiser: SyntheticGradient | None,
+    modulators: PyTree | None = None,
+    synthesiser: SyntheticGradient | None = None,
+    has_aux: bool = False,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
+    loss_fn = _with_aux(user_loss, has_aux)
     if window is not None:
-        return _window_impl(graph, loss_fn, window, algo, state, traces, xs, targets, synthesiser)
+        grads, aux = _window_impl(
+            graph, loss_fn, window, algo, state, traces, xs, targets, synthesiser
+        )
+        return grads, _split_losses(aux, has_aux)
     weights = operand_values(graph, state.params)
     T = jax.tree.leaves(xs)[0].shape[0]
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
@@ -283,12 +360,22 @@ def _online_impl(
         carry, losses = _scan_blocks(chunk_body, carry, (xs, targets, modulators), K, T)
         state, traces, acc_eff, acc_pi, acc_sub = carry
     grads = _finish(graph, state.params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
-    return grads, {"losses": losses, "state": state, "traces": traces}
+    return grads, _split_losses({"losses": losses, "state": state, "traces": traces}, has_aux)
+
+
+def _split_losses(aux: dict[str, Any], has_aux: bool) -> dict[str, Any]:
+    """`aux` with the stacked ``(losses, loss_aux)`` pair split into its two entries
+    (``loss_aux`` only for a loss with auxiliary data)."""
+    losses, loss_aux = aux["losses"]
+    out = {**aux, "losses": losses}
+    if has_aux:
+        out["loss_aux"] = loss_aux
+    return out
 
 
 def _window_impl(
     graph: ETraceGraph,
-    loss_fn: LossFn,
+    loss_fn: AuxLossFn[Any],
     window: int,
     algo: OnlineAlgorithm[TraceT],
     state: ModelState,
@@ -322,10 +409,10 @@ def _window_impl(
                     jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(s, args))
                 return s2, (loss_fn(out, t), jac)
 
-            s_end, (losses, jacs) = jax.lax.scan(
+            s_end, ((losses, loss_aux), jacs) = jax.lax.scan(
                 body, ModelState(params, hidden, st.other), (xw, tw)
             )
-            return (jnp.sum(losses), slabs(s_end.hidden)), (losses, jacs, s_end)
+            return (jnp.sum(losses), slabs(s_end.hidden)), ((losses, loss_aux), jacs, s_end)
 
         (total, exits), vjp_fn, (losses, jacs, s_end) = jax.vjp(
             window_loss, st.params, st.hidden, has_aux=True
@@ -378,14 +465,16 @@ def _untraced_paths(graph: ETraceGraph) -> frozenset[Path]:
     )
 
 
-_online_jit = jax.jit(_online_impl, static_argnums=(0, 1, 2))
-"""`_online_impl` compiled once per graph, loss function and window."""
+_online_jit = jax.jit(_online_impl, static_argnums=(0, 1, 2, 10))
+"""`_online_impl` compiled once per graph, loss function, window and `has_aux`."""
 
 
 # --- validation -------------------------------------------------------------------------------
 
 
-def _check_sequences(graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn) -> int:
+def _check_sequences(
+    graph: ETraceGraph, xs: Any, targets: Any, loss_fn: LossFn | AuxLossFn[Any]
+) -> int:
     x_leaves = jax.tree.leaves(xs)
     t_leaves = jax.tree.leaves(targets)
     if not x_leaves:
@@ -436,7 +525,7 @@ def _step_structs(seq: Any) -> Any:
     return jax.tree.map(one, seq)
 
 
-def _fits_targets_like(loss_fn: LossFn, y: Any) -> bool:
+def _fits_targets_like(loss_fn: LossFn | AuxLossFn[Any], y: Any) -> bool:
     """Whether `loss_fn` traces with targets shaped exactly like the outputs `y`.
 
     Used after `loss_fn` failed for the given targets with a `TypeError` or
@@ -451,9 +540,15 @@ def _fits_targets_like(loss_fn: LossFn, y: Any) -> bool:
 
 
 def _check_loss(
-    graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn
+    graph: ETraceGraph,
+    state: ModelState,
+    xs: Any,
+    targets: Any,
+    loss_fn: LossFn | AuxLossFn[Any],
+    has_aux: bool = False,
 ) -> None:
-    """Check that `loss_fn` maps one step's output and target to a float scalar.
+    """Check that `loss_fn` maps one step's output and target to a float scalar (with
+    `has_aux`, to a pair ``(scalar, aux)``).
 
     A `TypeError` or `ValueError` that `loss_fn` raises only because of the targets'
     shape or structure (it traces with targets shaped like ``y_t``) becomes a
@@ -477,14 +572,23 @@ def _check_loss(
             f"target_t {jax.tree.map(lambda a: a.shape, target0)}: {type(err).__name__}: "
             f"{err}. Pass targets whose per-step slices fit loss_fn."
         ) from err
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise StepInputError(
+                f"with has_aux=True, loss_fn(y_t, target_t) must return a pair (loss, aux), "
+                f"got {out}"
+            )
+        out = out[0]
     if not (
         isinstance(out, jax.ShapeDtypeStruct)
         and out.shape == ()
         and jnp.issubdtype(out.dtype, jnp.floating)
     ):
+        pair = " (the first of the pair it returns)" if has_aux else ""
         raise StepInputError(
-            f"loss_fn(y_t, target_t) must return a float scalar, got {out}. Reduce the per-step "
-            "loss to a scalar (e.g. with jnp.mean or jnp.sum)."
+            f"loss_fn(y_t, target_t){pair} must return a float scalar, got {out}. Reduce the "
+            "per-step loss to a scalar (e.g. with jnp.mean or jnp.sum)."
+            + ("" if has_aux else " A loss that also returns data needs has_aux=True.")
         )
 
 
@@ -518,12 +622,13 @@ def online_grad(
     traces: TraceT,
     xs: Any,
     targets: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | AuxLossFn[Any],
     *,
     window: int | None = None,
     modulators: PyTree | None = None,
     synthesiser: SyntheticGradient | None = None,
-) -> OnlineResult:
+    has_aux: bool = False,
+) -> _OnlineResultOf[TraceT]:
     """Online gradient of ``Σ_t loss_fn(y_t, target_t)`` over a sequence.
 
     One `lax.scan` runs the step, the learning signal ``∂L_t/∂h^t``, the trace update
@@ -550,14 +655,17 @@ def online_grad(
       the per-step modulators with a leading time axis: each step's slice is one
       array broadcastable to every group's ``(*varshape, S)``, or a tuple with one
       per hidden group. Passed as data, so new values never recompile.
+    - `has_aux`: `loss_fn` returns ``(loss, aux)``; the per-step ``aux`` values come
+      back stacked over time as ``result.loss_aux`` (``aux["loss_aux"]``).
     - `synthesiser`: for a rule with synthetic gradients (`etrax.DNI`, signal
       `Bootstrapped`), the `SyntheticGradient` to start from (default: an untrained
       one); the trained synthesiser is returned as ``aux["synthesiser"]``.
 
     **Returns:** an `OnlineResult`, which unpacks as ``(grads, aux)``: `grads` is a
     `PathDict` shaped like ``state.params``; `aux` has ``losses`` ``(T,)``, the final
-    ``state`` and ``traces`` (and ``synthesiser`` for `DNI`), also readable as
-    ``result.losses``, ``result.state``, ``result.traces``.
+    ``state`` and ``traces`` (and ``loss_aux`` with `has_aux`, ``synthesiser`` for
+    `DNI`), also readable as ``result.losses``, ``result.state``, ``result.traces``,
+    ``result.loss_aux``.
 
     **Raises:** `StepInputError` before tracing for an empty sequence (``T = 0``),
     inputs or targets that do not fit the graph, or targets whose shape or structure
@@ -578,6 +686,8 @@ def online_grad(
             "online_grad needs the hidden perturbation: compile with include_hidden_perturb=True"
         )
     fast_check_state(graph, state)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be True or False, got {has_aux!r}")
     T = _check_sequences(graph, xs, targets, loss_fn)
     w: object = window
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
@@ -589,7 +699,15 @@ def online_grad(
         )
     modulators = _check_modulators(algo, modulators, T)
     synthesiser = _check_synthesiser(graph, algo, synthesiser, window, state)
-    key = ("online", _avals(xs), _avals(targets), loss_fn, _avals(traces), jax.tree.structure(algo))
+    key = (
+        "online",
+        _avals(xs),
+        _avals(targets),
+        loss_fn,
+        has_aux,
+        _avals(traces),
+        jax.tree.structure(algo),
+    )
     if not _seen(graph, key):
         expected = jax.eval_shape(lambda: algo.init(graph, state))
         if _avals(traces) != _avals(expected):
@@ -597,12 +715,12 @@ def online_grad(
                 f"traces do not match {type(algo).__name__}.init(graph, state) for this graph "
                 "(a different graph or algorithm?)"
             )
-        _check_loss(graph, state, xs, targets, loss_fn)
+        _check_loss(graph, state, xs, targets, loss_fn, has_aux)
         _remember(graph, key)
     grads, aux = _online_jit(
-        graph, loss_fn, window, algo, state, traces, xs, targets, modulators, synthesiser
+        graph, loss_fn, window, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
     )
-    return OnlineResult(grads, aux)
+    return OnlineResult(grads, cast("OnlineAux[TraceT]", aux))
 
 
 def _check_synthesiser(
@@ -777,4 +895,4 @@ def bptt_grad(
         _check_loss(graph, state, xs, targets, loss_fn)
         _remember(graph, key)
     grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets)
-    return BPTTResult(grads, aux)
+    return BPTTResult(grads, cast(BPTTAux, aux))

@@ -8,23 +8,41 @@ in the model (read before, written after each call); traces live in the learner.
 import pathlib
 import warnings
 from collections.abc import Callable
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, TypeAlias, TypeVar, cast, overload
 
 import brainstate
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .._errors import SilentNetworkWarning, StepInputError
 from .._pathdict import PathDict
-from .._typing import Path, PyTree
-from ..compiler import CompilationReport, CompilePolicy, ETraceGraph, compile_etrace_graph
+from .._typing import ArrayTree, Path, PyTree
+from ..compiler import (
+    CompilationReport,
+    CompilePolicy,
+    ETraceGraph,
+    StateKind,
+    WeightStatus,
+    compile_etrace_graph,
+)
 from ..executor import ModelState, state_of, write_back
 from ._base import OnlineAlgorithm, check_relations
-from ._drivers import LossFn, bptt_grad, online_evolve, online_grad
+from ._drivers import AuxLossFn, AuxT, LossFn, bptt_grad, online_evolve, online_grad
 from ._presets import by_name
 
-__all__ = ["OnlineLearner", "compile"]
+__all__ = ["LossOutput", "OnlineLearner", "compile"]
+
+OptT = TypeVar("OptT")
+Grads: TypeAlias = PathDict[ArrayTree]
+LossOutput: TypeAlias = Literal["weighted", "per_step", "total"]
+"""Which losses `OnlineLearner.etrace_grad` returns: ``"weighted"`` the per-step
+``w_t · loss_t`` (the terms of the objective), ``"per_step"`` the raw per-step
+``loss_t``, ``"total"`` the objective ``Σ_t w_t · loss_t`` (a scalar)."""
+
+# A run's per-step results: (grads, weighted losses, raw losses, loss aux).
+_Run: TypeAlias = tuple[ModelState, PyTree, tuple[Grads, Array, ArrayTree, ArrayTree]]
 
 
 def _algorithm(algorithm: object) -> OnlineAlgorithm[Any]:
@@ -45,6 +63,13 @@ def _algorithm(algorithm: object) -> OnlineAlgorithm[Any]:
 class OnlineLearner:
     """Trains a brainstate model online; built by `etrax.compile`.
 
+    The model's states hold the current hidden values (read before and written after
+    each call); the learner holds the traces. With ``vmap=True`` the graph is compiled
+    for one sample and every call maps it over the batch with `jax.vmap`: the model's
+    hidden states then carry a leading batch axis, the parameters are shared, and the
+    gradients are summed over the samples (as a batched model's are for a loss summed
+    over the batch).
+
     !!! Example
 
         ```python
@@ -63,22 +88,91 @@ class OnlineLearner:
         algorithm: OnlineAlgorithm[Any],
         graph: ETraceGraph,
         batch_size: int | None,
+        vmap: bool = False,
     ) -> None:
         self.model = model
         self.algorithm = algorithm
         self.graph = graph
         self.batch_size = batch_size
-        self.traces: PyTree = algorithm.init(graph, state_of(graph))
-        self._weighted_losses: dict[LossFn, LossFn] = {}
-        self._initial_hidden = dict(state_of(graph).hidden)
+        self.vmap = vmap
+        mi = graph.module_info
+        self._written_other = frozenset(
+            info.path for info in mi.states if info.kind is StateKind.OTHER and info.written
+        )
+        self._weighted_losses: dict[tuple[LossFn | AuxLossFn[Any], bool], AuxLossFn[Any]] = {}
+        start = state_of(graph)
+        self._initial_hidden = dict(start.hidden)
+        self._initial_written = {p: start.other[p] for p in self._written_other}
+        self.traces: object = None
+        """The rule's traces (of the type its ``init`` returns; with `vmap`, with a
+        leading batch axis)."""
+        self._start(batch_size)
+
+    def _start(self, batch_size: int | None) -> None:
+        """Fresh traces; with `vmap`, first the per-sample hidden and written states
+        repeated for `batch_size` samples (a state that no ``reset_state`` reset to
+        its per-sample shape starts from its value when the learner was built)."""
+        if self.vmap:
+            assert batch_size is not None
+            mi = self.graph.module_info
+            initial = {**self._initial_hidden, **self._initial_written}
+            for info, ref in zip(mi.states, mi.state_refs.states, strict=True):
+                if info.path in initial:
+                    shapes = tuple(jnp.shape(leaf) for leaf in jax.tree.leaves(ref.value))
+                    value = ref.value if shapes == info.shapes else initial[info.path]
+                    ref.value = _broadcast(value, batch_size)
+        self.batch_size = batch_size
+        self.traces = None  # the old traces may have another batch size
+
+        def init(st: ModelState, tr: PyTree, _: PyTree) -> tuple[ModelState, PyTree, PyTree]:
+            return st, self.algorithm.init(self.graph, st), None
+
+        self.traces = self._run(init)[1]
+
+    def _run(
+        self,
+        run: Callable[[ModelState, PyTree, PyTree], tuple[ModelState, PyTree, PyTree]],
+        seq: PyTree = None,
+        seq_axes: PyTree = None,
+    ) -> tuple[ModelState, PyTree, PyTree]:
+        """``run(state, traces, seq) -> (state, traces, out)`` on the model's current
+        state: directly, or with `vmap` per sample under `jax.vmap` (hidden and written
+        states, traces, `seq` along `seq_axes` and `out` mapped over the batch;
+        parameters and the other states shared)."""
+        state = state_of(self.graph)
+        if not self.vmap:
+            return run(state, self.traces, seq)
+        written = self._written_other
+        other_axes = PathDict((p, 0 if p in written else None) for p in state.other)
+
+        def one(hidden: PyTree, other: PyTree, traces: PyTree, s: PyTree) -> Any:
+            new, tr, out = run(ModelState(state.params, hidden, other), traces, s)
+            return new.hidden, PathDict((p, new.other[p]) for p in written), tr, out
+
+        traces_axes = None if self.traces is None else 0
+        hidden, mapped, traces, out = jax.vmap(one, in_axes=(0, other_axes, traces_axes, seq_axes))(
+            state.hidden, state.other, self.traces, seq
+        )
+        other = PathDict((p, mapped[p] if p in written else v) for p, v in state.other.items())
+        return ModelState(state.params, hidden, other), traces, out
+
+    def _over_batch(self, tree: PyTree, how: Literal["sum", "time_first"]) -> PyTree:
+        """With `vmap`: per-sample results summed over the batch, or stacked sequences
+        moved to ``(T, B, ...)``; unchanged otherwise."""
+        if not self.vmap:
+            return tree
+        if how == "sum":
+            return jax.tree.map(lambda a: jnp.sum(a, axis=0), tree)
+        return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), tree)
 
     @property
     def state(self) -> ModelState:
-        """The model's current state values."""
+        """The model's current state values (with `vmap`, hidden and written states
+        carry a leading batch axis)."""
         return state_of(self.graph)
 
     @property
-    def params(self) -> PathDict[PyTree]:
+    def params(self) -> Grads:
         """The current parameter values (a `PathDict` in the graph's order)."""
         return self.state.params
 
@@ -105,22 +199,26 @@ class OnlineLearner:
         Each module's own ``reset_state`` runs (through brainstate); a hidden state
         that no ``reset_state`` resets (one created in ``__init__`` or ``init_state``
         of a module without ``reset_state``) is restored to its value when the learner
-        was built. `batch_size` defaults to the one given to `etrax.compile`. The graph
-        was compiled for that batch size: resetting to another one makes the next
-        `etrace_grad` raise a `StepInputError` (compile a new learner instead).
+        was built. `batch_size` defaults to the one given to `etrax.compile`. A graph
+        compiled for a batched model is compiled for that batch size: resetting to
+        another one makes the next `etrace_grad` raise a `StepInputError` (compile a
+        new learner instead). With `vmap`, any batch size works.
         """
         size = self.batch_size if batch_size is None else batch_size
+        if self.vmap and not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"a vmap learner needs a batch size of at least 1, got {size!r}")
         refs = dict(
             zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
         )
         before = {p: refs[p].value for p in self._initial_hidden}
-        brainstate.nn.reset_all_states(self.model, batch_size=size)
-        if size == self.batch_size:
+        brainstate.nn.reset_all_states(self.model, batch_size=None if self.vmap else size)
+        if not self.vmap and size == self.batch_size:
             for path, initial in self._initial_hidden.items():
                 if refs[path].value is before[path]:  # no reset_state touched it
                     refs[path].value = initial
-        self.traces = self.algorithm.init(self.graph, state_of(self.graph))
+        self._start(size)
 
+    @overload
     def etrace_grad(
         self,
         xs: Any,
@@ -130,10 +228,113 @@ class OnlineLearner:
         step_fn: LossFn | None = None,
         mask: Any = None,
         reduction: Literal["sum", "mean"] = "sum",
+        loss_output: LossOutput = "weighted",
         window: int | None = None,
         modulators: PyTree | None = None,
+        has_aux: Literal[False] = False,
+        return_value: Literal[False] = False,
+    ) -> Grads: ...
+
+    @overload
+    def etrace_grad(
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: LossFn | None = None,
+        *,
+        step_fn: LossFn | None = None,
+        mask: Any = None,
+        reduction: Literal["sum", "mean"] = "sum",
+        loss_output: LossOutput = "weighted",
+        window: int | None = None,
+        modulators: PyTree | None = None,
+        has_aux: Literal[False] = False,
+        return_value: Literal[True],
+    ) -> tuple[Grads, Array]: ...
+
+    @overload
+    def etrace_grad(
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: AuxLossFn[AuxT] | None = None,
+        *,
+        step_fn: AuxLossFn[AuxT] | None = None,
+        mask: Any = None,
+        reduction: Literal["sum", "mean"] = "sum",
+        loss_output: LossOutput = "weighted",
+        window: int | None = None,
+        modulators: PyTree | None = None,
+        has_aux: Literal[True],
+        return_value: Literal[False] = False,
+    ) -> tuple[Grads, AuxT]: ...
+
+    @overload
+    def etrace_grad(
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: AuxLossFn[AuxT] | None = None,
+        *,
+        step_fn: AuxLossFn[AuxT] | None = None,
+        mask: Any = None,
+        reduction: Literal["sum", "mean"] = "sum",
+        loss_output: LossOutput = "weighted",
+        window: int | None = None,
+        modulators: PyTree | None = None,
+        has_aux: Literal[True],
+        return_value: Literal[True],
+    ) -> tuple[Grads, Array, AuxT]: ...
+
+    @overload
+    def etrace_grad(
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: LossFn | None = None,
+        *,
+        step_fn: LossFn | None = None,
+        mask: Any = None,
+        reduction: Literal["sum", "mean"] = "sum",
+        loss_output: LossOutput = "weighted",
+        window: int | None = None,
+        modulators: PyTree | None = None,
+        has_aux: Literal[False] = False,
+        return_value: bool,
+    ) -> Grads | tuple[Grads, Array]: ...
+
+    @overload
+    def etrace_grad(
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: LossFn | AuxLossFn[AuxT] | None = None,
+        *,
+        step_fn: LossFn | AuxLossFn[AuxT] | None = None,
+        mask: Any = None,
+        reduction: Literal["sum", "mean"] = "sum",
+        loss_output: LossOutput = "weighted",
+        window: int | None = None,
+        modulators: PyTree | None = None,
+        has_aux: bool,
         return_value: bool = False,
-    ) -> Any:
+    ) -> Grads | tuple[Grads, Array] | tuple[Grads, AuxT] | tuple[Grads, Array, AuxT]: ...
+
+    def etrace_grad(
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: LossFn | AuxLossFn[AuxT] | None = None,
+        *,
+        step_fn: LossFn | AuxLossFn[AuxT] | None = None,
+        mask: Any = None,
+        reduction: Literal["sum", "mean"] = "sum",
+        loss_output: LossOutput = "weighted",
+        window: int | None = None,
+        modulators: PyTree | None = None,
+        has_aux: bool = False,
+        return_value: bool = False,
+    ) -> Grads | tuple[Grads, Array] | tuple[Grads, AuxT] | tuple[Grads, Array, AuxT]:
         """Online gradient of the (masked) sum or mean of ``loss_fn(y_t, target_t)``
         over one sequence.
 
@@ -142,42 +343,83 @@ class OnlineLearner:
 
         **Arguments:**
 
-        - `xs`, `ys`: inputs and targets with a leading time axis.
-        - `loss_fn` (or `step_fn`): ``loss(y_t, target_t) -> scalar``.
+        - `xs`, `ys`: inputs and targets with a leading time axis, ``(T, ...)``; for a
+          batched learner ``(T, B, ...)`` (with `vmap` too: each sample's slice is
+          ``xs[:, b]``).
+        - `loss_fn` (or `step_fn`): ``loss(y_t, target_t) -> scalar`` (with `vmap`,
+          one sample's output and target; the objective sums it over the samples).
         - `mask`: per-step weights ``(T,)`` (e.g. 0/1: which steps are scored); the
           traces still advance at every step.
         - `reduction`: ``"sum"`` (default: ``Σ_t mask_t loss_t``) or ``"mean"``
           (divided by ``max(Σ_t mask_t, 1)``, or by ``T`` without a mask).
+        - `loss_output`: which losses `return_value` returns: ``"weighted"``
+          (default; the per-step ``w_t · loss_t`` whose sum the gradient is of),
+          ``"per_step"`` (the raw ``loss_t``, before mask and reduction) or
+          ``"total"`` (the scalar ``Σ_t w_t · loss_t``).
         - `window`: optional truncation window (see `etrax.online_grad`).
         - `modulators`: per-step modulators for a modulated rule (`etrax.ThreeFactor`),
-          with a leading time axis (see `etrax.online_grad`).
-        - `return_value`: also return the per-step (weighted) losses.
+          with a leading time axis (see `etrax.online_grad`); with `vmap`, per sample
+          along axis 1, ``(T, B, ...)``.
+        - `has_aux`: `loss_fn` returns ``(loss, aux)``; the per-step ``aux`` values are
+          returned stacked over time (with `vmap`, ``(T, B, ...)``). They do not
+          change the gradients.
+        - `return_value`: also return the losses chosen by `loss_output`.
 
-        **Returns:** the gradients (a `PathDict` like `params`), or ``(grads, losses)``.
+        **Returns:** the gradients (a `PathDict` like `params`); ``(grads, losses)``
+        with `return_value`; ``(grads, aux)`` with `has_aux`; ``(grads, losses, aux)``
+        with both.
+
+        **Raises:** `TypeError` for a missing loss or a `has_aux` / `return_value`
+        that is not a bool, `ValueError` for an unknown `reduction` or `loss_output`,
+        `StepInputError` for a `mask` that is not one weight per step (and as
+        `etrax.online_grad`).
         """
         fn = loss_fn if loss_fn is not None else step_fn
         if fn is None:
             raise TypeError("etrace_grad needs loss_fn(y_t, target_t) -> scalar")
-        targets, fn = self._weighted(xs, ys, fn, mask, reduction)
-        grads, aux = online_grad(
-            self.graph,
-            self.algorithm,
-            state_of(self.graph),
-            self.traces,
-            xs,
-            targets,
-            fn,
-            window=window,
-            modulators=modulators,
-        )
-        self._warn_if_silent(state_of(self.graph), aux["state"], grads)
-        write_back(self.graph, aux["state"])
-        self.traces = aux["traces"]
-        return (grads, aux["losses"]) if return_value else grads
+        for name, flag in (("has_aux", has_aux), ("return_value", return_value)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if loss_output not in ("weighted", "per_step", "total"):
+            raise ValueError(
+                f"loss_output must be 'weighted', 'per_step' or 'total', got {loss_output!r}"
+            )
+        targets, weighted_fn, weighted = self._weighted(xs, ys, fn, mask, reduction, has_aux)
+        seq_axes = (1, (1, None) if weighted else 1, None if modulators is None else 1)
 
-    def _warn_if_silent(
-        self, before: ModelState, after: ModelState, grads: PathDict[PyTree]
-    ) -> None:
+        def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
+            x, t, mods = seq
+            result = online_grad(
+                self.graph,
+                self.algorithm,
+                st,
+                tr,
+                x,
+                t,
+                weighted_fn,
+                window=window,
+                modulators=mods,
+                has_aux=weighted or has_aux,
+            )
+            pair = cast(tuple[Array, ArrayTree], result.loss_aux)  # the weighted loss's aux
+            raw, aux = pair if weighted else (result.losses, result.loss_aux)
+            return result.state, result.traces, (result.grads, result.losses, raw, aux)
+
+        before = state_of(self.graph)
+        state, traces, (grads, losses, raw, aux) = self._run(
+            run, (xs, targets, modulators), seq_axes
+        )
+        grads, losses, raw = self._over_batch((grads, losses, raw), "sum")
+        aux = self._over_batch(aux, "time_first")
+        self._warn_if_silent(before, state, grads)
+        write_back(self.graph, state)
+        self.traces = traces
+        shown = {"weighted": losses, "per_step": raw, "total": jnp.sum(losses)}[loss_output]
+        if return_value:
+            return (grads, shown, aux) if has_aux else (grads, shown)
+        return (grads, aux) if has_aux else grads
+
+    def _warn_if_silent(self, before: ModelState, after: ModelState, grads: Grads) -> None:
         """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
         sequence, or every gradient is exactly zero."""
         still = [
@@ -209,14 +451,21 @@ class OnlineLearner:
             )
 
     def _weighted(
-        self, xs: Any, ys: Any, loss_fn: LossFn, mask: Any, reduction: str
-    ) -> tuple[Any, LossFn]:
+        self,
+        xs: Any,
+        ys: Any,
+        loss_fn: LossFn | AuxLossFn[Any],
+        mask: Any,
+        reduction: str,
+        has_aux: bool,
+    ) -> tuple[Any, LossFn | AuxLossFn[Any], bool]:
         """Targets and loss with the per-step weights of `mask` and `reduction` folded
-        in as data (so new masks never recompile)."""
+        in as data (so new masks never recompile), and whether they were: the
+        weighted loss returns ``(w · loss, (loss, aux))``."""
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         if mask is None and reduction == "sum":
-            return ys, loss_fn
+            return ys, loss_fn, False
         T = int(jnp.shape(jax.tree.leaves(xs)[0])[0])
         dtype = jnp.result_type(*jax.tree.leaves(state_of(self.graph).hidden))
         w = jnp.ones((T,), dtype) if mask is None else jnp.asarray(mask, dtype)
@@ -224,34 +473,46 @@ class OnlineLearner:
             raise StepInputError(f"mask must have one weight per step, shape ({T},), got {w.shape}")
         if reduction == "mean":
             w = w / jnp.maximum(jnp.sum(w), 1.0)
-        return (ys, w), self._weighted_loss(loss_fn)
+        return (ys, w), self._weighted_loss(loss_fn, has_aux), True
 
-    def _weighted_loss(self, loss_fn: LossFn) -> LossFn:
-        """``(y, (target, w)) ↦ w · loss_fn(y, target)``, one function per loss (so the
-        compiled program is reused)."""
-        if loss_fn not in self._weighted_losses:
+    def _weighted_loss(self, loss_fn: LossFn | AuxLossFn[Any], has_aux: bool) -> AuxLossFn[Any]:
+        """``(y, (target, w)) ↦ (w · loss, (loss, aux))``, one function per loss (so
+        the compiled program is reused)."""
+        key = (loss_fn, has_aux)
+        if key not in self._weighted_losses:
 
-            def weighted(y: PyTree, target_and_weight: Any) -> Any:
+            def weighted(y: PyTree, target_and_weight: Any) -> tuple[Array, PyTree]:
                 target, w = target_and_weight
-                return w * loss_fn(y, target)
+                out = loss_fn(y, target)
+                loss, aux = out if has_aux else (out, None)
+                return w * loss, (loss, aux)
 
-            self._weighted_losses[loss_fn] = weighted
-        return self._weighted_losses[loss_fn]
+            self._weighted_losses[key] = weighted
+        return self._weighted_losses[key]
 
-    def etrace_evolve(self, xs: Any, *, return_outputs: bool = False) -> Any:
+    @overload
+    def etrace_evolve(self, xs: Any, *, return_outputs: Literal[False] = False) -> None: ...
+
+    @overload
+    def etrace_evolve(self, xs: Any, *, return_outputs: Literal[True]) -> PyTree: ...
+
+    @overload
+    def etrace_evolve(self, xs: Any, *, return_outputs: bool) -> PyTree: ...
+
+    def etrace_evolve(self, xs: Any, *, return_outputs: bool = False) -> PyTree:
         """Advance the model's hidden states and the traces over `xs` with no gradient
-        (see `etrax.online_evolve`); returns the stacked outputs if asked."""
-        state, traces, outs = online_evolve(
-            self.graph,
-            self.algorithm,
-            state_of(self.graph),
-            self.traces,
-            xs,
-            return_outputs=return_outputs,
-        )
+        (see `etrax.online_evolve`); returns the stacked outputs if asked (with `vmap`,
+        ``(T, B, ...)``)."""
+
+        def run(st: ModelState, tr: PyTree, x: PyTree) -> tuple[ModelState, PyTree, PyTree]:
+            return online_evolve(
+                self.graph, self.algorithm, st, tr, x, return_outputs=return_outputs
+            )
+
+        state, traces, outs = self._run(run, xs, 1)
         write_back(self.graph, state)
         self.traces = traces
-        return outs if return_outputs else None
+        return self._over_batch(outs, "time_first") if return_outputs else None
 
     def __call__(self, *x: Any) -> PyTree:
         """One step on input `x` (the model's ``update`` arguments): advances the hidden
@@ -262,18 +523,43 @@ class OnlineLearner:
         )
         return jax.tree.map(lambda a: a[0], outs)
 
-    def bptt_grad(self, xs: Any, ys: Any, loss_fn: LossFn, *, return_value: bool = False) -> Any:
-        """The exact BPTT gradient from the current state (hidden states are advanced)."""
-        grads, aux = bptt_grad(self.graph, state_of(self.graph), xs, ys, loss_fn)
-        write_back(self.graph, aux["state"])
-        return (grads, aux["losses"]) if return_value else grads
+    @overload
+    def bptt_grad(
+        self, xs: Any, ys: Any, loss_fn: LossFn, *, return_value: Literal[False] = False
+    ) -> Grads: ...
+
+    @overload
+    def bptt_grad(
+        self, xs: Any, ys: Any, loss_fn: LossFn, *, return_value: Literal[True]
+    ) -> tuple[Grads, Array]: ...
+
+    def bptt_grad(
+        self, xs: Any, ys: Any, loss_fn: LossFn, *, return_value: bool = False
+    ) -> Grads | tuple[Grads, Array]:
+        """The exact BPTT gradient from the current state (hidden states are advanced;
+        with `vmap`, per sample and summed over the batch)."""
+
+        def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
+            result = bptt_grad(self.graph, st, seq[0], seq[1], loss_fn)
+            return result.state, tr, (result.grads, result.losses, result.losses, None)
+
+        state, _, (grads, losses, _, _) = self._run(run, (xs, ys), (1, 1))
+        grads, losses = self._over_batch((grads, losses), "sum")
+        write_back(self.graph, state)
+        return (grads, losses) if return_value else grads
 
     def save(self, path: str | pathlib.Path | BinaryIO, opt_state: PyTree = None) -> None:
         """Save the model's parameters and states, the traces and `opt_state` (see
         `etrax.save_checkpoint`)."""
         save_checkpoint(path, Checkpoint(state_of(self.graph), self.traces, opt_state))
 
-    def load(self, path: str | pathlib.Path | BinaryIO, opt_state_like: PyTree = None) -> PyTree:
+    @overload
+    def load(self, path: str | pathlib.Path | BinaryIO) -> None: ...
+
+    @overload
+    def load(self, path: str | pathlib.Path | BinaryIO, opt_state_like: OptT) -> OptT: ...
+
+    def load(self, path: str | pathlib.Path | BinaryIO, opt_state_like: object = None) -> object:
         """Load a checkpoint written by `save` into the model and the learner, and
         return the saved optimiser state (read into the structure of `opt_state_like`,
         e.g. ``opt.init(learner.params)``). The learner must be built from the same
@@ -289,9 +575,26 @@ class OnlineLearner:
         """The compilation report: hidden groups, relations and diagnostics."""
         return CompilationReport(self.graph)
 
-    def weight_rules(self) -> dict[Path, Any]:
+    def weight_rules(self) -> dict[Path, WeightStatus]:
         """How each parameter learns (traced or instantaneous), and why."""
         return self.graph.weight_rules()
+
+
+def _broadcast(tree: PyTree, size: int) -> PyTree:
+    """Every leaf of `tree` repeated along a new leading axis of `size`."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (size, *jnp.shape(a))), tree)
+
+
+def _first_sample(args: tuple[Any, ...], batch_size: int) -> tuple[Any, ...]:
+    """One sample of batched example inputs (each leaf's leading axis must be the batch)."""
+    for leaf in jax.tree.leaves(args):
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != batch_size:
+            raise StepInputError(
+                f"with vmap=True every example input needs a leading batch axis of size "
+                f"batch_size={batch_size}, got an array shaped {shape}"
+            )
+    return tuple(jax.tree.map(lambda a: a[0], args))
 
 
 def compile(
@@ -299,6 +602,7 @@ def compile(
     algorithm: OnlineAlgorithm[Any] | str | Callable[[], OnlineAlgorithm[Any]],
     *example_inputs: Any,
     batch_size: int | None = None,
+    vmap: bool = False,
     policy: CompilePolicy | None = None,
     seed: int | None = None,
     verbose: bool = False,
@@ -315,18 +619,35 @@ def compile(
       `etrax.algorithms.PRESETS`).
     - `*example_inputs`: one step's inputs (batched if `batch_size` is given).
     - `batch_size`: batch size the model's states are created with.
+    - `vmap`: write the model per sample: its states are created unbatched, the
+      graph is compiled on one sample of `example_inputs` (whose leaves lead with
+      `batch_size`), and each call maps it over the batch with `jax.vmap`. Gives the
+      gradients of the batched model (summed over samples). Needs `batch_size`.
     - `policy`: the compiler's `CompilePolicy` (weight-op recognition, if-conversion,
       loop unrolling); the default policy when `None`.
     - `seed`: seeds brainstate's random generator before the states are created
       (reproducible initial states); `None` leaves it as it is.
     - `verbose`: print the compilation report.
+
+    **Raises:** `TypeError` for an unknown algorithm or a `vmap` that is not a bool,
+    `ValueError` for ``vmap=True`` without a positive `batch_size`, `StepInputError`
+    for ``vmap=True`` example inputs without the leading batch axis.
     """
     algo = _algorithm(algorithm)
+    if not isinstance(vmap, bool):
+        raise TypeError(f"vmap must be True or False, got {vmap!r}")
+    if vmap:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"vmap=True maps the model over a batch: pass batch_size=B (B ≥ 1), got "
+                f"{batch_size!r}"
+            )
+        example_inputs = _first_sample(example_inputs, batch_size)
     if seed is not None:
         brainstate.random.seed(seed)
-    brainstate.nn.init_all_states(model, batch_size=batch_size)
+    brainstate.nn.init_all_states(model, batch_size=None if vmap else batch_size)
     graph = compile_etrace_graph(model, *example_inputs, policy=policy)
     if verbose:
         print(CompilationReport(graph))
     check_relations(graph, algo.name)
-    return OnlineLearner(model, algo, graph, batch_size)
+    return OnlineLearner(model, algo, graph, batch_size, vmap)

@@ -1,17 +1,18 @@
 """`ModelState`: the values a step reads, as a frozen pytree of arrays keyed by path."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import brainstate
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
 
 from .._errors import StepInputError
 from .._pathdict import PathDict
-from .._typing import Path, PyTree
+from .._typing import ArrayTree, Path, PyTree
 from ..compiler import ETraceGraph, StateInfo, StateKind
 
 __all__ = [
@@ -22,6 +23,12 @@ __all__ = [
     "state_of",
     "write_back",
 ]
+
+
+if TYPE_CHECKING:
+    _Hidden: TypeAlias = Array
+else:
+    _Hidden = Any  # unchecked at run time: transforms pass axis specs through ModelState
 
 
 class ModelState(eqx.Module):
@@ -38,11 +45,11 @@ class ModelState(eqx.Module):
     and optimiser updates share one tree structure.
     """
 
-    params: PathDict[PyTree]
-    hidden: PathDict[PyTree]
-    other: PathDict[PyTree]
+    params: PathDict[ArrayTree]
+    hidden: PathDict[_Hidden]
+    other: PathDict[ArrayTree]
 
-    def value(self, path: Path) -> PyTree:
+    def value(self, path: Path) -> ArrayTree:
         """The value of the state at `path`, whichever field holds it."""
         for d in (self.params, self.hidden, self.other):
             if path in d:
