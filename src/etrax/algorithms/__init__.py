@@ -30,6 +30,7 @@ from ._check import (
 from ._dni import SyntheticGradient
 from ._drivers import BPTTResult, OnlineResult, bptt_grad, online_evolve, online_grad
 from ._drtrl import ParamTraces, PerParameter
+from ._evaluate import Evaluation, evaluate
 from ._learner import OnlineLearner, compile
 from ._pp import InputOutput, IOTraces
 from ._presets import (
@@ -61,6 +62,7 @@ __all__ = [
     "Diagonal",
     "EProp",
     "EffGrads",
+    "Evaluation",
     "Filter",
     "GradientCheck",
     "IOTraces",
@@ -97,6 +99,7 @@ __all__ = [
     "check_gradients",
     "compare_gradients",
     "compile",
+    "evaluate",
     "online_evolve",
     "online_grad",
     "operand_values",
