@@ -19,11 +19,22 @@ XLA's own accounting of the compiled program (``compiled.memory_analysis()``):
 Nothing is drawn from a formula: every number is XLA's, measured per compiled program.
 The programs are compiled, not run, so even the long sequences take seconds.
 
+With ``--rss`` the script also *runs* each method in a fresh process and reports the
+process's peak resident memory (``ru_maxrss``). There the online rules learn from a
+stream: the sequence arrives in chunks of 100 steps, each generated when it is
+needed, and the state and traces of one chunk start the next, so the gradient is
+that of the whole sequence while only one chunk is ever held. BPTT needs the whole
+sequence at once.
+
 Run it with ``python examples/memory.py`` (writes ``etrax_memory.png``; about a
-minute on two CPU cores) or ``python examples/memory.py --short``.
+minute on two CPU cores), ``python examples/memory.py --rss`` (a few minutes more) or
+``python examples/memory.py --short``.
 """
 
 import argparse
+import resource
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +51,8 @@ BATCH, INPUTS, HIDDEN = 8, 8, 128
 METHODS = ("D-RTRL", "pp-prop", "e-prop", "BPTT")
 LENGTHS = (100, 300, 1_000, 3_000, 10_000, 30_000)
 SHORT_LENGTHS = (10, 100)
+RSS_LENGTHS = (100, 1_000, 10_000)
+CHUNK = 100  # steps per chunk of the online stream (--rss)
 MiB = 2**20
 
 
@@ -113,6 +126,93 @@ def run(lengths: Sequence[int], methods: Sequence[str] = METHODS) -> list[Measur
     return [measure(graph, method, T) for method in methods for T in lengths]
 
 
+def _data(key: Array, steps: int, dtype: Any) -> tuple[Array, Array]:
+    """Inputs and targets of `steps` steps: noise and its scaled running sum."""
+    xs = jax.random.normal(key, (steps, BATCH, INPUTS), dtype)
+    return xs, 0.1 * jnp.cumsum(xs, axis=0)
+
+
+def run_and_measure_rss(method: str, T: int) -> float:
+    """Compute the gradient over `T` steps in this process; its peak RSS in MiB.
+
+    The online rules stream the sequence in chunks of `CHUNK` steps, carrying the
+    state and traces from chunk to chunk (the sum of the chunks' gradients is the
+    gradient of the whole sequence); BPTT takes the whole sequence at once.
+    """
+    graph = build()
+    start = etrax.state_of(graph)
+    dtype = jax.tree.leaves(start.params)[0].dtype
+    key = jax.random.key(0)
+    algo = rule_for(method)
+    if algo is None:
+
+        @jax.jit
+        def whole(state: etrax.ModelState, key: Array) -> Any:
+            xs, targets = _data(key, T, dtype)
+            return etrax.bptt_grad(graph, state, xs, targets, mse).grads
+
+        total: Any = whole(start, key)
+    else:
+        rule = algo
+
+        @jax.jit
+        def chunk(state: etrax.ModelState, traces: Any, key: Array) -> Any:
+            xs, targets = _data(key, CHUNK, dtype)
+            result = etrax.online_grad(graph, rule, state, traces, xs, targets, mse)
+            return result.grads, result.state, result.traces
+
+        state, traces = start, rule.init(graph, start)
+        total = None
+        for i in range(T // CHUNK):
+            grads, state, traces = chunk(state, traces, jax.random.fold_in(key, i))
+            total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    for leaf in jax.tree.leaves(total):
+        leaf.block_until_ready()
+    return _peak_rss_mib()
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB. On Linux, from ``VmHWM`` in
+    ``/proc/self/status``: ``ru_maxrss`` would also count the parent's memory at the
+    fork that started this process."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (MiB if sys.platform == "darwin" else 1024)
+
+
+def peak_rss(
+    lengths: Sequence[int], methods: Sequence[str] = METHODS
+) -> dict[tuple[str, int], float]:
+    """Peak RSS (MiB) of a fresh process per method and length (see `run_and_measure_rss`)."""
+    out = {}
+    for method in methods:
+        for T in lengths:
+            if T % CHUNK:
+                raise ValueError(f"--rss lengths must be multiples of {CHUNK}, got {T}")
+            done = subprocess.run(
+                [sys.executable, __file__, "--rss-worker", method, str(T)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            out[method, T] = float(done.stdout.split()[-1])
+    return out
+
+
+def rss_table(rss: dict[tuple[str, int], float]) -> str:
+    """A markdown table of peak RSS (MiB) per method and length."""
+    lengths = sorted({T for _, T in rss})
+    methods = list(dict.fromkeys(m for m, _ in rss))
+    head = "| method | " + " | ".join(f"T = {T:,}" for T in lengths) + " |"
+    rule = "|---|" + "---:|" * len(lengths)
+    rows = [f"| {m} | " + " | ".join(f"{rss[m, T]:.0f}" for T in lengths) + " |" for m in methods]
+    return "\n".join([head, rule, *rows])
+
+
 def table(results: Sequence[Measurement]) -> str:
     """A markdown table: scratch MiB (peak MiB) per method and length."""
     lengths = sorted({r.T for r in results})
@@ -134,13 +234,15 @@ def table(results: Sequence[Measurement]) -> str:
     return "\n".join([head, rule, *rows])
 
 
-def plot(results: Sequence[Measurement], path: Path) -> None:
+def plot(
+    results: Sequence[Measurement], path: Path, rss: dict[tuple[str, int], float] | None = None
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3 if rss else 2, figsize=(16.5 if rss else 11, 4))
     for ax, field, title in (
         (axes[0], "scratch_mib", "scratch: what the learning rule allocates"),
         (axes[1], "peak_mib", "peak: scratch + arguments (incl. the sequences) + outputs"),
@@ -158,6 +260,17 @@ def plot(results: Sequence[Measurement], path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    if rss:
+        ax = axes[2]
+        for method in dict.fromkeys(m for m, _ in rss):
+            points = sorted((T, v) for (m, T), v in rss.items() if m == method)
+            ax.plot(*zip(*points, strict=True), marker="o", label=method)
+        ax.set_xscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("MiB (peak RSS of the process)")
+        ax.set_title(f"run: peak RSS (online: a stream of {CHUNK}-step chunks)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
     fig.suptitle(
         f"Gradient of a GRUCell({INPUTS}, {HIDDEN}) network over T steps, batch {BATCH}: "
         "online rules vs BPTT"
@@ -170,17 +283,28 @@ def plot(results: Sequence[Measurement], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> list[Measurement]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="two short lengths (smoke test)")
+    parser.add_argument("--rss", action="store_true", help="also run each method: peak RSS")
     parser.add_argument("--out", default=".", help="folder for etrax_memory.png")
+    parser.add_argument("--rss-worker", nargs=2, metavar=("METHOD", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rss_worker:
+        method, T = args.rss_worker
+        print(run_and_measure_rss(method, int(T)))
+        return []
     results = run(SHORT_LENGTHS if args.short else LENGTHS)
     print(
         "Scratch MiB (peak MiB in brackets, with the input and target sequences), from XLA's "
         "compiled memory analysis:\n"
     )
     print(table(results))
+    rss = None
+    if args.rss:
+        rss = peak_rss((100, 200) if args.short else RSS_LENGTHS)
+        print("\nPeak RSS MiB of a process that runs the gradient (online rules streaming):\n")
+        print(rss_table(rss))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "etrax_memory.png"
-    plot(results, path)
+    plot(results, path, rss)
     print(f"\nPlot written to {path}")
     return results
 

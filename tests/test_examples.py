@@ -170,3 +170,11 @@ def test_demo_verdicts_follow_the_plotted_curves() -> None:
         "did NOT learn" in by["bad"] and "30.0%" in by["bad"] and "60.0 points below" in by["bad"]
     )
     assert " learned" in by["BPTT"] and "90.0%" in by["BPTT"]
+
+
+@pytest.mark.slow
+def test_memory_rss_of_an_online_stream_is_flat(memory: ModuleType) -> None:
+    # each measurement runs in a fresh process (float32, as a user runs it)
+    rss = memory.peak_rss((100, 1_000), methods=("pp-prop",))
+    assert rss["pp-prop", 100] > 0 and abs(rss["pp-prop", 1_000] - rss["pp-prop", 100]) < 50
+    assert "| pp-prop |" in memory.rss_table(rss)
