@@ -67,6 +67,10 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks and write their tables under benchmarks/results/."""
-    session.install("-e", ".[bench]")
+    """Run the benchmarks and write their tables under benchmarks/results/
+    (``nox -s bench -- peer`` runs only the side-by-side comparison with braintrace).
+
+    braintrace 0.2.6 is the peer measured by ``benchmarks/bench_peer.py``; it is
+    installed here only, never in the test or typecheck environments."""
+    session.install("-e", ".[bench]", "braintrace==0.2.6")
     session.run("python", "benchmarks/run.py", *session.posargs)

@@ -1,25 +1,40 @@
-"""Run the benchmarks (`nox -s bench`): `python benchmarks/run.py [executor ...]`."""
+"""Run the benchmarks (`nox -s bench`): `python benchmarks/run.py [executor|online|peer ...]
+[--option ...]`; options (after the names) go to the suites that take them, e.g.
+`python benchmarks/run.py peer --matrix gpu --out DIR` (see `bench_peer.py`)."""
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bench_executor, bench_online
 
-SUITES: dict[str, Callable[[], str]] = {"executor": bench_executor.run, "online": bench_online.run}
+
+def _peer(options: Sequence[str]) -> str:
+    # imported here: braintrace, the peer it measures, is installed only by `nox -s bench`
+    from benchmarks import bench_peer
+
+    return bench_peer.run(options)
+
+
+SUITES: dict[str, Callable[[Sequence[str]], str]] = {
+    "executor": lambda options: bench_executor.run(),
+    "online": lambda options: bench_online.run(),
+    "peer": _peer,
+}
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(SUITES)
+    split = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
+    names, options = argv[:split] or list(SUITES), argv[split:]
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         print(f"unknown benchmark(s) {unknown}; choose from {list(SUITES)}")
         return 2
     for name in names:
         print(f"== {name}")
-        print(SUITES[name]())
+        print(SUITES[name](options))
     return 0
 
 
