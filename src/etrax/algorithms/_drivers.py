@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._compat import shape_struct, vary_like, vary_tree
+from .._compat import Literal, bind_equation, shape_struct, struct_of, vary_like, vary_tree
 from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
@@ -50,6 +50,7 @@ from ._weights import (
     add_param_grads,
     operand_values,
     operands_to_params,
+    use_value,
     uses_to_params,
     zeros_like_params,
 )
@@ -177,6 +178,7 @@ def _step_grads(
     target: Any,
     loss_fn: AuxLossFn[Any],
     with_point: bool = False,
+    defer: bool = False,
 ) -> tuple[
     tuple[Array, PyTree],
     ModelState,
@@ -185,24 +187,42 @@ def _step_grads(
     tuple[Array, ...],
     list[Array],
     PyTree,
+    "Deferred | None",
 ]:
     """One step: the loss and its auxiliary data, the new state, the Jacobians,
     ``∂L/∂h^t`` and the direct ``∂L/∂h^{t-1}`` per group, the instantaneous gradient
-    of each injected use, and the output cotangent ``∂L/∂y``."""
+    of each injected use, and the output cotangent ``∂L/∂y``.
+
+    With `defer`, the instantaneous gradients of uses inside equations are left out
+    (zero) and the step returns what forms them later instead (`Deferred`): the
+    equations' operands and output cotangents, to be contracted over stacked steps
+    by `_deferred_use_grads`."""
     mi = graph.module_info
     hp = graph.hidden_perturb
     assert hp is not None
     flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
 
-    def f(perturbs: list[Array], olds: list[Array], deltas: list[Array]) -> Any:
-        out, hidden, other, hoisted = mi.split_outputs(hp.eval_jaxpr(flat, perturbs, olds, deltas))
-        return out, (hidden, other, hoisted)
+    def f(perturbs: list[Array], olds: list[Array], deltas: list[Array], eps: list[Array]) -> Any:
+        outs, operands = hp.eval_with_operands(flat, perturbs, olds, deltas, eps or None)
+        out, hidden, other, hoisted = mi.split_outputs(outs)
+        return out, (hidden, other, hoisted, operands)
 
     zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
     deltas = _zero_uses(graph, state)
-    out, vjp_fn, (hidden, other, hoisted) = jax.vjp(f, zeros, zeros, deltas, has_aux=True)
+    eps = hp.init_eps_data() if defer else []
+    out, vjp_fn, (hidden, other, hoisted, operands) = jax.vjp(
+        f, zeros, zeros, deltas, eps, has_aux=True
+    )
     loss_and_aux, cot = jax.value_and_grad(loss_fn, has_aux=True)(out, target)
-    g_pert, g_old, g_use = vjp_fn(cot)
+    g_pert, g_old, g_use, g_eps = vjp_fn(cot)
+    deferred = None
+    if defer:
+        uses = plan_of(graph).instant_uses
+        g_use = [
+            g if u.eqn_index is None else jnp.zeros_like(g)
+            for u, g in zip(uses, g_use, strict=True)
+        ]
+        deferred = Deferred(list(operands), list(g_eps))
     groups = graph.hidden_groups
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
     olds = tuple(hp.perturb_data_to_hidden_group_data(g_old, groups))
@@ -210,7 +230,86 @@ def _step_grads(
     if with_point:  # the whole transition, for rules beyond the diagonal scope
         jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(state, as_args(graph, x)))
     new = next_state(graph, state, hidden, other)
-    return loss_and_aux, new, jac, signals, olds, list(g_use), cot
+    return loss_and_aux, new, jac, signals, olds, list(g_use), cot, deferred
+
+
+class Deferred(NamedTuple):
+    """What forms the instantaneous gradients of the uses inside equations, per step
+    (stacked over a chunk by the scan): the instant equations' non-weight operands
+    (`HiddenPerturbation.operand_slots`) and the cotangents of their outputs (``ε``)."""
+
+    operands: list[Array]
+    cotangents: list[Array]
+
+
+def _deferred_use_grads(
+    graph: ETraceGraph, params: Mapping[Path, PyTree], d: Deferred
+) -> list[Array]:
+    """``Σ_k`` of each injected use's instantaneous gradient over the stacked steps of
+    `d` (zero for uses outside equations, which `_step_grads` still forms per step)."""
+    hp = graph.hidden_perturb
+    assert hp is not None
+    eqns = graph.module_info.jaxpr.eqns
+    uses = plan_of(graph).instant_uses
+    values = [use_value(graph, u, params) for u in uses]
+    weight_at = {(u.eqn_index, u.slot): n for n, u in enumerate(uses) if u.eqn_index is not None}
+    operand_at = {slot: n for n, slot in enumerate(hp.operand_slots)}
+    out: list[Array] = []
+    for n, u in enumerate(uses):
+        if u.eqn_index is None:
+            out.append(jnp.zeros(u.shape, u.dtype))
+            continue
+        i, eqn = u.eqn_index, eqns[u.eqn_index]
+        slots = hp.eps_slots[hp.instant_eqns.index(i)]
+        steps = d.cotangents[next(e for e in slots if e is not None)].shape[0]
+        cots = [
+            jnp.zeros((steps, *struct_of(v).shape), struct_of(v).dtype)
+            if e is None
+            else d.cotangents[e]
+            for v, e in zip(eqn.outvars, slots, strict=True)
+        ]
+        inputs: list[Array | None] = []  # per operand: a fixed value, or None (stacked)
+        stacked: list[Array] = []
+        for p, a in enumerate(eqn.invars):
+            if (i, p) in operand_at:
+                inputs.append(None)
+                stacked.append(d.operands[operand_at[(i, p)]])
+            elif (i, p) in weight_at:
+                inputs.append(values[weight_at[(i, p)]])
+            else:
+                assert isinstance(a, Literal)
+                inputs.append(a.val)
+        out.append(_stacked_use_grad(eqn, u.slot, inputs, stacked, values[n], cots, steps))
+    return out
+
+
+def _stacked_use_grad(
+    eqn: Any,
+    slot: int,
+    inputs: list[Array | None],
+    stacked: list[Array],
+    weight: Array,
+    cots: list[Array],
+    steps: int,
+) -> Array:
+    """The VJP, with respect to operand `slot` (the weight), of `eqn` mapped over the
+    steps of `stacked` with the weight unbatched: one product that contracts the steps
+    and the batch together, exactly the sum of the per-step VJPs. `inputs` holds the
+    fixed operands (`None` where a stacked one goes); an equation of fixed operands
+    alone (weights and literals) is mapped over `steps` all the same."""
+
+    def apply(w: Array) -> Any:
+        def one(*per_step: Array) -> Any:
+            it = iter(per_step)
+            ins = [next(it) if v is None else v for v in inputs]
+            ins[slot] = w
+            return bind_equation(eqn, ins)
+
+        return jax.vmap(one, axis_size=steps)(*stacked)
+
+    _, vjp = jax.vjp(apply, weight)
+    (g,) = vjp(cots)
+    return g  # type: ignore[no-any-return]
 
 
 def _overlap(
@@ -321,21 +420,23 @@ def _online_impl(
     def signal_step(carry: Any, inp: Any) -> Any:
         st, acc_pi, acc_sub = carry
         x, tgt, mod = inp
-        loss, st, jac, sig, old, g_pi, cot = _step_grads(
-            graph, st, x, tgt, loss_fn, algo.needs_point
+        loss, st, jac, sig, old, g_pi, cot, deferred = _step_grads(
+            graph, st, x, tgt, loss_fn, algo.needs_point, defer=K > 1
         )
         # the within-step traced part that the instantaneous gradient also holds is
         # counted with the true signal; the traces then learn from the rule's signal
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
         sig, old = algo.learning_signals(graph, sig, old, cot, mod)
-        return (st, _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old)
+        return (st, _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old, deferred)
 
     zeros = zeros_eff(graph, dtype)
     if K == 1:
 
         def body(carry: Any, inp: Any) -> Any:
             st, tr, acc_eff, acc_pi, acc_sub = carry
-            (st, acc_pi, acc_sub), (loss, jac, sig, old) = signal_step((st, acc_pi, acc_sub), inp)
+            (st, acc_pi, acc_sub), (loss, jac, sig, old, _) = signal_step(
+                (st, acc_pi, acc_sub), inp
+            )
             if direct:  # routes from the old hidden values: the trace before the update
                 acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, old, weights))
             tr = algo.update(graph, tr, jac, weights)
@@ -350,9 +451,12 @@ def _online_impl(
 
         def chunk_body(carry: Any, inp: Any) -> Any:
             st, tr, acc_eff, acc_pi, acc_sub = carry
-            (st, acc_pi, acc_sub), (loss, jacs, sigs, olds) = jax.lax.scan(
+            (st, acc_pi, acc_sub), (loss, jacs, sigs, olds, deferred) = jax.lax.scan(
                 signal_step, (st, acc_pi, acc_sub), inp
             )
+            # the instantaneous gradients of the uses inside equations: one product per
+            # use over the chunk's stacked steps (off the per-step critical path)
+            acc_pi = _add(acc_pi, _deferred_use_grads(graph, st.params, deferred))
             tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
             return (st, tr, add_eff(acc_eff, g), acc_pi, acc_sub), loss
 

@@ -21,6 +21,7 @@ __all__ = [
     "add_param_grads",
     "operand_values",
     "operands_to_params",
+    "use_value",
     "uses_to_params",
     "zeros_like_params",
 ]
@@ -96,6 +97,13 @@ def operands_to_params(
         new = [leaf_grads.get((p, i), leaf) for i, leaf in enumerate(leaves)]
         out[p] = jax.tree.unflatten(treedef, new)
     return out
+
+
+def use_value(graph: ETraceGraph, use: ParamUse, params: Mapping[Path, PyTree]) -> Array:
+    """The weight value `use` reads, from parameter values (through its program)."""
+    leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
+    (value,) = use.program(*_consts(graph, use.consts), *leaves)
+    return value  # type: ignore[no-any-return]
 
 
 def uses_to_params(

@@ -19,6 +19,11 @@ state). It is zero for most models (`direct_paths` is then empty).
 A third perturbation ``δ`` per parameter use that is not (wholly) traced is added
 to the weight value where that use reads it: its gradient is the use's exact
 instantaneous gradient.
+
+A fourth, ``ε``, is added to every output of each equation that reads such a weight
+(an *instant equation*), and the program also returns that equation's other operands:
+the gradient of ``ε`` is the equation's output cotangent, so the use's instantaneous
+gradient can be formed later, from stacked steps, as one product (chunked drivers).
 """
 
 from collections.abc import Hashable, Mapping, Sequence
@@ -104,6 +109,26 @@ class _Builder:
             (u.eqn_index, u.slot): n for n, u in enumerate(self.injected) if u.eqn_index is not None
         }
         self.out_use = {u.slot: n for n, u in enumerate(self.injected) if u.eqn_index is None}
+        self.instant_eqns = tuple(sorted({i for i, _ in self.use_slot}))
+        self.weight_slots = frozenset(self.use_slot)
+        self.eps_of: dict[int, list[int | None]] = {}
+        self.eps_structs: list[Any] = []
+        self.operand_slots: list[tuple[int, int]] = []  # (eqn, operand) returned
+        for i in self.instant_eqns:
+            eqn = self.jaxpr.eqns[i]
+            slots: list[int | None] = []
+            for v in eqn.outvars:
+                if isinstance(v, DropVar):
+                    slots.append(None)
+                else:
+                    slots.append(len(self.eps_structs))
+                    self.eps_structs.append(struct_of(v))
+            self.eps_of[i] = slots
+            self.operand_slots += [
+                (i, pos)
+                for pos, a in enumerate(eqn.invars)
+                if isinstance(a, Var) and (i, pos) not in self.weight_slots
+            ]
         self._direct()
         self._output_roles()
 
@@ -142,16 +167,18 @@ class _Builder:
         avals = [struct_of(v) for v in self.jaxpr.invars]
         avals += [shape_struct(s.shapes[0], s.dtypes[0]) for s in self.hidden] * 2
         avals += [shape_struct(u.shape, u.dtype) for u in self.injected]
+        avals += self.eps_structs
         closed = jax.make_jaxpr(self._evaluate)(*avals)
         n_in = len(closed.jaxpr.invars)
         return Program(closed, tuple(range(n_in)), tuple(range(len(closed.jaxpr.outvars))))
 
     def _evaluate(self, *flat: Any) -> list[Any]:
-        n, h = len(self.jaxpr.invars), len(self.hidden)
-        run = _Run(self, flat[:n], flat[n : n + h], flat[n + h : n + 2 * h], flat[n + 2 * h :])
+        n, h, u = len(self.jaxpr.invars), len(self.hidden), len(self.injected)
+        d = n + 2 * h
+        run = _Run(self, flat[:n], flat[n : n + h], flat[n + h : d], flat[d : d + u], flat[d + u :])
         for i, eqn in enumerate(self.jaxpr.eqns):
             run.equation(i, eqn)
-        return run.outputs()
+        return run.outputs() + run.operands()
 
 
 class _Run:
@@ -164,9 +191,10 @@ class _Run:
         perturbs: Sequence[Any],
         olds: Sequence[Any],
         deltas: Sequence[Any],
+        epsilons: Sequence[Any],
     ) -> None:
         self.b = b
-        self.perturbs, self.deltas = perturbs, deltas
+        self.perturbs, self.deltas, self.epsilons = perturbs, deltas, epsilons
         self.orig: dict[Var, Any] = dict(
             zip(b.jaxpr.constvars, b.minfo.closed_jaxpr.consts, strict=True)
         )
@@ -185,7 +213,21 @@ class _Run:
         return value
 
     def bind(self, env: Mapping[Var, Any], i: int, eqn: Any) -> list[Any]:
-        return bind_equation(eqn, [self.read(env, a, i, p) for p, a in enumerate(eqn.invars)])
+        outs = bind_equation(eqn, [self.read(env, a, i, p) for p, a in enumerate(eqn.invars)])
+        slots = self.b.eps_of.get(i)
+        if slots is None:
+            return outs
+        return [
+            o if n is None else o + self.epsilons[n].astype(jnp.result_type(o))
+            for o, n in zip(outs, slots, strict=True)
+        ]
+
+    def operands(self) -> list[Any]:
+        """The unperturbed operands of the instant equations (their weights excluded)."""
+        eqns = self.b.jaxpr.eqns
+        return [
+            self.read(self.orig, eqns[i].invars[pos], -1, -1) for i, pos in self.b.operand_slots
+        ]
 
     def equation(self, i: int, eqn: Any) -> None:
         outs = [v for v in eqn.outvars if not isinstance(v, DropVar)]
@@ -298,6 +340,12 @@ def perturb(rewritten: RewrittenModule, *, enabled: bool = True) -> ETraceGraph:
             use_indices=tuple(u.index for u in b.injected),
             use_shapes=tuple(u.shape for u in b.injected),
             use_dtypes=tuple(u.dtype for u in b.injected),
+            num_outputs=len(b.jaxpr.outvars),
+            instant_eqns=b.instant_eqns,
+            eps_slots=tuple(tuple(b.eps_of[i]) for i in b.instant_eqns),
+            eps_shapes=tuple(tuple(e.shape) for e in b.eps_structs),
+            eps_dtypes=tuple(e.dtype for e in b.eps_structs),
+            operand_slots=tuple(b.operand_slots),
         )
     return ETraceGraph(
         module_info=rewritten.module_info,

@@ -30,6 +30,13 @@ class HiddenPerturbation(eqx.Module):
     - `use_indices`: the parameter uses (`ETraceGraph.param_uses`) that get a
       perturbation ``δ`` of the weight value they read; `use_shapes`, `use_dtypes`
       their avals.
+    - `num_outputs`: how many of the program's outputs are the step's; the rest are
+      the operands named by `operand_slots`.
+    - `instant_eqns`: the equations reading those weights; `eps_slots` gives, per
+      instant equation and output, the index of its output perturbation ``ε`` (or
+      `None` for a dropped output); `eps_shapes`, `eps_dtypes` their avals.
+    - `operand_slots`: ``(equation, operand)`` of every non-weight variable operand of
+      the instant equations, in the order the program returns them.
     """
 
     perturb_hidden_paths: tuple[Path, ...] = eqx.field(static=True)
@@ -40,6 +47,12 @@ class HiddenPerturbation(eqx.Module):
     use_indices: tuple[int, ...] = eqx.field(static=True, default=())
     use_shapes: tuple[Shape, ...] = eqx.field(static=True, default=())
     use_dtypes: tuple[np.dtype[Any], ...] = eqx.field(static=True, default=())
+    num_outputs: int = eqx.field(static=True, default=0)
+    instant_eqns: tuple[int, ...] = eqx.field(static=True, default=())
+    eps_slots: tuple[tuple[int | None, ...], ...] = eqx.field(static=True, default=())
+    eps_shapes: tuple[Shape, ...] = eqx.field(static=True, default=())
+    eps_dtypes: tuple[np.dtype[Any], ...] = eqx.field(static=True, default=())
+    operand_slots: tuple[tuple[int, int], ...] = eqx.field(static=True, default=())
 
     @property
     def perturb_jaxpr(self) -> Any:
@@ -53,6 +66,10 @@ class HiddenPerturbation(eqx.Module):
         """Zero use perturbations ``δ``."""
         return [jnp.zeros(s, d) for s, d in zip(self.use_shapes, self.use_dtypes, strict=True)]
 
+    def init_eps_data(self) -> list[Array]:
+        """Zero output perturbations ``ε`` of the instant equations."""
+        return [jnp.zeros(s, d) for s, d in zip(self.eps_shapes, self.eps_dtypes, strict=True)]
+
     def eval_jaxpr(
         self,
         flat_inputs: Sequence[Any],
@@ -62,6 +79,19 @@ class HiddenPerturbation(eqx.Module):
     ) -> list[Any]:
         """Evaluate the perturbed step on flat inputs and perturbations (``q = 0`` and
         ``δ = 0`` unless `old_perturb_data` / `use_data` are given)."""
+        outs, _ = self.eval_with_operands(flat_inputs, perturb_data, old_perturb_data, use_data)
+        return outs
+
+    def eval_with_operands(
+        self,
+        flat_inputs: Sequence[Any],
+        perturb_data: Sequence[Any],
+        old_perturb_data: Sequence[Any] | None = None,
+        use_data: Sequence[Any] | None = None,
+        eps_data: Sequence[Any] | None = None,
+    ) -> tuple[list[Any], list[Any]]:
+        """As `eval_jaxpr`, with output perturbations ``ε`` (zero unless given); also
+        returns the instant equations' operands (`operand_slots`)."""
         if len(perturb_data) != len(self.shapes):
             raise ValueError(
                 f"expected {len(self.shapes)} perturbations (one per hidden state "
@@ -71,7 +101,10 @@ class HiddenPerturbation(eqx.Module):
             old_perturb_data = [jnp.zeros_like(p) for p in perturb_data]
         if use_data is None:
             use_data = self.init_use_data()
-        return self.program(*flat_inputs, *perturb_data, *old_perturb_data, *use_data)
+        if eps_data is None:
+            eps_data = self.init_eps_data()
+        outs = self.program(*flat_inputs, *perturb_data, *old_perturb_data, *use_data, *eps_data)
+        return outs[: self.num_outputs], outs[self.num_outputs :]
 
     def perturb_data_to_hidden_group_data(
         self, data: Sequence[Array] | Mapping[Path, Array], groups: Sequence[HiddenGroup]
