@@ -253,6 +253,7 @@ class ModelCase:
 def build(
     cls: Callable[..., brainstate.nn.Module], *args: Any, batch: int | None = None, n_in: int = 3
 ) -> tuple[brainstate.nn.Module, Any]:
+    brainstate.random.seed(0)  # the same weights whatever ran before in this process
     model = cls(*args)
     brainstate.nn.init_all_states(model, batch_size=batch)
     x_shape = (n_in,) if batch is None else (batch, n_in)

@@ -127,6 +127,7 @@ def test_windows_are_exact_on_diagonal_models() -> None:
 CHUNKABLE: dict[str, Callable[[int], etrax.OnlineAlgorithm[Any]]] = {
     "drtrl": lambda k: etrax.DRTRL(chunk_steps=k),
     "pp_prop": lambda k: etrax.PPProp(0.8, chunk_steps=k),
+    "eprop_kappa": lambda k: etrax.EProp(0.7, chunk_steps=k),  # the filter folded in
 }
 
 
@@ -135,7 +136,7 @@ CHUNKABLE: dict[str, Callable[[int], etrax.OnlineAlgorithm[Any]]] = {
 @pytest.mark.parametrize("name", ["gru_b2", "lstm", "alif_ff_b2", "stacked_state"])
 def test_chunked_equals_per_step(name: str, rule: str) -> None:
     """The stacked (chunked) forms equal the per-step forms: the traces' recursion and
-    contractions, and the instantaneous gradients of untraced uses (GRU's reset-gate
+    contractions (e-prop's κ filter folded into the chunk too), and the instantaneous gradients of untraced uses (GRU's reset-gate
     weight, the readouts), which the chunked driver forms as one product per chunk."""
     case = next(c for c in CATALOGUE if c.name == name)
     graph, state, xs, ts = _problem(case, 11)

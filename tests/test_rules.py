@@ -74,8 +74,6 @@ def traced_paths(graph: etrax.ETraceGraph) -> list[Path]:
 def test_invalid_axis_combinations_are_construction_errors() -> None:
     with pytest.raises(ValueError, match="factorisation InputOutput and filter Kappa"):
         etrax.LearningRule(etrax.InputOutput(0.5), filter=etrax.Kappa(0.5))
-    with pytest.raises(ValueError, match="filter and chunk_steps"):
-        etrax.LearningRule(etrax.PerParameter(), filter=etrax.Kappa(0.5), chunk_steps=4)
     # refused by the suite's runtime type checks, or without them by the rule's own check
     with pytest.raises(TypeError, match="recursion"):
         etrax.LearningRule(etrax.PerParameter(), "jacobian")  # type: ignore[arg-type]  # the error under test

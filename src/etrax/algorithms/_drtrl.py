@@ -14,7 +14,13 @@ from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, Kappa, Sparse
 from ._base import EffGrads, Weights, add_into, scan_chunk
-from ._kernels import drtrl_chunk, drtrl_init, drtrl_solve, drtrl_update
+from ._kernels import (
+    drtrl_chunk,
+    drtrl_chunk_filtered,
+    drtrl_init,
+    drtrl_solve,
+    drtrl_update,
+)
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
 from ._snap import neighbourhood, snap_init, snap_solve, snap_update
@@ -65,6 +71,39 @@ def _solve_eps(
         g = drtrl_solve(slot, e, dl_dh[slot.group], weights[slot.relation])
         add_into(out[slot.relation], g)
     return tuple(out)
+
+
+def _chunk_filtered(
+    graph: ETraceGraph,
+    traces: ParamTraces,
+    jacs: StepJacobians,
+    signals: Sequence[Array],
+    olds: Sequence[Array] | None,
+    kappa: float,
+) -> tuple[ParamTraces, EffGrads]:
+    """The fused chunk with e-prop's κ filter (every slot factorised)."""
+    assert traces.filtered is not None
+    plan = plan_of(graph)
+    eps: list[dict[str, Array]] = []
+    filtered: list[dict[str, Array]] = []
+    out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+    for slot, e, f in zip(plan.slots, traces.eps, traces.filtered, strict=True):
+        e_new, g, f_new = drtrl_chunk_filtered(
+            slot,
+            e,
+            f,
+            kappa,
+            jacs.x[slot.relation],
+            jacs.df[slot.relation][slot.tail],
+            jacs.D[slot.group],
+            signals[slot.group],
+            None if olds is None else olds[slot.group],
+        )
+        assert f_new is not None
+        eps.append(e_new)
+        filtered.append(f_new)
+        add_into(out[slot.relation], g)
+    return ParamTraces(tuple(eps), tuple(filtered)), tuple(out)
 
 
 def _chunk_eps(
@@ -195,6 +234,10 @@ class PerParameter(TraceFactorisation[ParamTraces]):
         if traces.filtered is None and not isinstance(rule.scope, Sparse):
             eps, grads = _chunk_eps(graph, traces.eps, jacs, signals, weights, olds)
             return ParamTraces(eps, None), grads
+        fused = all(s.factorized for s in plan_of(graph).slots)
+        sparse = isinstance(rule.scope, Sparse)
+        if isinstance(rule.filter, Kappa) and traces.filtered is not None and fused and not sparse:
+            return _chunk_filtered(graph, traces, jacs, signals, olds, rule.filter.kappa)
         dtype = jax.tree.leaves(traces.eps)[0].dtype
         return scan_chunk(
             lambda tr, jac: self.update(graph, tr, jac, weights, rule),

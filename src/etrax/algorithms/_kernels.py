@@ -235,7 +235,34 @@ def drtrl_chunk(
     With `Ns` (signals on the *old* hidden values, ``Σ_k N_k ε_{k-1}``), step ``k``'s
     signal gains ``N_{k+1}`` and ``ε_0`` is contracted with ``N_0`` too.
     """
+    new_eps, grads, _ = drtrl_chunk_filtered(slot, eps, None, None, xs, dfs, Ds, Ls, Ns)
+    return new_eps, grads
+
+
+def drtrl_chunk_filtered(
+    slot: Slot,
+    eps: Trace,
+    filtered: Trace | None,
+    kappa: float | None,
+    xs: Array | None,
+    dfs: Array,
+    Ds: Array,
+    Ls: Array,
+    Ns: Array | None = None,
+) -> tuple[Trace, Trace, Trace | None]:
+    """`drtrl_chunk`, optionally with e-prop's filter ``ē_k = κ ē_{k-1} + ε_k`` (`kappa`
+    and the filtered traces `filtered`), whose ``ē`` the signals are contracted with.
+
+    The filter is folded into the signals: ``Σ_k ⟨L_k, ē_k⟩ = ⟨κ L̃_0, ē_{-1}⟩ +
+    Σ_j ⟨L̃_j, ε_j⟩`` with the reverse-filtered ``L̃_j = L_j + κ L̃_{j+1}`` (so the
+    unfiltered chunk formula applies to ``L̃``), and the new filtered trace is
+    ``ē_{K-1} = κ^K ē_{-1} + Σ_j κ^{K-1-j} ε_j = κ^K ē_{-1} + (P̃_0 D_0) ε_0 +
+    Σ_k u_k ⊗ (P̃_k df_k)`` with ``P̃_k = κ^{K-1-k} + P̃_{k+1} D_{k+1}``: one more
+    mixing product and one more stacked product than the unfiltered chunk, both per
+    chunk. Equal to K steps of the per-step filter.
+    """
     S = slot.num_state
+    K = dfs.shape[0]
     dfc = jax.vmap(lambda a: _canon_out(slot, a, 1))(dfs)  # (K, NB, O, S)
     Dc = jax.vmap(lambda a: _canon_out(slot, a, 2))(Ds)  # (K, NB, O, S, S)
     Lc = jax.vmap(lambda a: _canon_out(slot, a, 1))(Ls)
@@ -244,33 +271,65 @@ def drtrl_chunk(
         Nc = jax.vmap(lambda a: _canon_out(slot, a, 1))(Ns)
         N0 = Nc[0]
         Lc = Lc + jnp.concatenate([Nc[1:], jnp.zeros_like(Nc[:1])], axis=0)
+    edge = None  # the signal on the filtered trace carried in
+    if kappa is not None:
+
+        def low_pass(acc: Array, L_k: Array) -> tuple[Array, Array]:
+            acc = L_k + kappa * acc
+            return acc, acc
+
+        _, Lc = jax.lax.scan(low_pass, vary_tree(jnp.zeros_like(Lc[0]), Lc), Lc, reverse=True)
+        edge = kappa * Lc[0] if N0 is None else kappa * Lc[0] + N0
+        N0 = None  # with the filter, N_0 reads the filtered trace carried in
     eye = jnp.broadcast_to(jnp.eye(S, dtype=dfc.dtype), Dc.shape[1:])
 
-    def back(carry: tuple[Array, Array], inp: tuple[Array, Array, Array]) -> Any:
-        g_acc, Q = carry  # D_{k+1}^T G_{k+1}, Q_k
-        L_k, D_k, df_k = inp
+    filt = kappa is not None
+
+    def back(carry: tuple[Array, ...], inp: tuple[Array, ...]) -> Any:
+        g_acc, Q, Pf = carry  # D_{k+1}^T G_{k+1}, Q_k, P̃_k (P̃ only with the filter)
+        L_k, D_k, df_k, w_k = inp
         G_k = L_k + g_acc
         R_k = jnp.einsum("noac,noc->noa", Q, df_k)
-        new = (jnp.einsum("noca,noc->noa", D_k, G_k), jnp.einsum("noac,nocb->noab", Q, D_k))
-        return new, (G_k, R_k)
+        g_next = jnp.einsum("noca,noc->noa", D_k, G_k)
+        Q_next = jnp.einsum("noac,nocb->noab", Q, D_k)
+        if not filt:
+            return (g_next, Q_next, Pf), (G_k, R_k, R_k)
+        Rf_k = jnp.einsum("noac,noc->noa", Pf, df_k)
+        Pf_next = jnp.einsum("noac,nocb->noab", Pf, D_k) + w_k * eye
+        return (g_next, Q_next, Pf_next), (G_k, R_k, Rf_k)
 
-    init = vary_tree((jnp.zeros_like(Lc[0]), eye), Lc, Dc, dfc)
-    (A, P), (G, R) = jax.lax.scan(back, init, (Lc, Dc, dfc), reverse=True)
+    # P̃_{K-1} = I and P̃_{k-1} = κ^{K-k} I + P̃_k D_k: stepping back from step k adds
+    # κ^{K-k}, except from step 0, whose product P̃_0 D_0 is what multiplies ε_0
+    weights = jnp.zeros((K,), dfc.dtype)
+    if kappa is not None:
+        k_idx = jnp.arange(K)
+        power = jnp.asarray(kappa, dfc.dtype) ** (K - k_idx).astype(dfc.dtype)
+        weights = jnp.where(k_idx > 0, power, jnp.zeros_like(power))
+    init = vary_tree((jnp.zeros_like(Lc[0]), eye, eye), Lc, Dc, dfc)
+    (A, P, Pf), (G, R, Rf) = jax.lax.scan(back, init, (Lc, Dc, dfc, weights), reverse=True)
     if N0 is not None:
         A = A + N0
     W = jnp.sum(dfc * G, axis=-1)  # (K, NB, O)
     us = None if xs is None else jax.vmap(lambda v: _factors(slot, v))(xs)
     new_eps: Trace = {}
+    new_filt: Trace = {}
     grads: Trace = {}
     for k in slot.keys:
         e0 = _canon_trace(slot, k, eps[k])
         u = None if us is None else us[k]
+        has_u = u is not None
         if u is None:
             g = _weigh(A, e0, False) + jnp.sum(W, axis=(0, 1))
             eK = _mix(P, e0, False) + jnp.sum(R, axis=0)
         else:
             g = _weigh(A, e0, True) + jnp.einsum("kni,kno->io", u, W)
             eK = _mix(P, e0, True) + jnp.einsum("kni,knoa->nioa", u, R)
+        if filtered is not None and kappa is not None and edge is not None:
+            f0 = _canon_trace(slot, k, filtered[k])
+            g = g + _weigh(edge, f0, has_u)
+            fresh = jnp.sum(Rf, axis=0) if u is None else jnp.einsum("kni,knoa->nioa", u, Rf)
+            fK = kappa**K * f0 + _mix(Pf, e0, has_u) + fresh
+            new_filt[k] = fK.reshape(filtered[k].shape).astype(filtered[k].dtype)
         grads[k] = g.reshape(_weight_shape(slot, k))
         new_eps[k] = eK.reshape(eps[k].shape).astype(eps[k].dtype)
-    return new_eps, grads
+    return new_eps, grads, (new_filt if filtered is not None else None)

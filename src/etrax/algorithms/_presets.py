@@ -102,6 +102,7 @@ def EProp(
     kappa: float = 0.0,
     feedback: Literal["symmetric", "random"] = "symmetric",
     key: PRNGKeyArray | None = None,
+    chunk_steps: int = 32,
     *,
     trace_dtype: Any = None,
 ) -> LearningRule[ParamTraces]:
@@ -115,6 +116,8 @@ def EProp(
     - `feedback`: ``"symmetric"`` or ``"random"`` (`RandomFeedback`: a fixed random
       matrix replaces the readout's transpose).
     - `key`: a PRNG key, required for random feedback.
+    - `chunk_steps`: steps the sequence driver re-associates into one fused update, as
+      for `DRTRL` (the filter is folded into the chunk exactly); ``1`` runs per step.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     if not 0.0 <= kappa < 1.0:
@@ -128,6 +131,7 @@ def EProp(
         PerParameter(),
         signal=signal,
         filter=Kappa(kappa) if kappa > 0 else NoFilter(),
+        chunk_steps=chunk_steps,
         trace_dtype=trace_dtype,
         name="EProp",
     )

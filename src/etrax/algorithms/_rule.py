@@ -23,7 +23,6 @@ from ._axes import (
     Diagonal,
     Filter,
     Jacobian,
-    Kappa,
     NoFilter,
     Recursion,
     Scope,
@@ -180,11 +179,6 @@ class LearningRule(OnlineAlgorithm[TraceT]):
             raise ValueError(
                 f"{self.name}: a {self.scope.label} scope follows the true transition, so it "
                 "needs the Jacobian recursion (axes recursion and scope)"
-            )
-        if isinstance(self.filter, Kappa) and self.chunk_steps != 1:
-            raise ValueError(
-                f"{self.name}: the Kappa filter runs per step; use chunk_steps=1 (axes filter "
-                "and chunk_steps)"
             )
         self.factorisation.validate(self)
 
