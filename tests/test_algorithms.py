@@ -136,8 +136,9 @@ CHUNKABLE: dict[str, Callable[[int], etrax.OnlineAlgorithm[Any]]] = {
 @pytest.mark.parametrize("name", ["gru_b2", "lstm", "alif_ff_b2", "stacked_state"])
 def test_chunked_equals_per_step(name: str, rule: str) -> None:
     """The stacked (chunked) forms equal the per-step forms: the traces' recursion and
-    contractions (e-prop's κ filter folded into the chunk too), and the instantaneous gradients of untraced uses (GRU's reset-gate
-    weight, the readouts), which the chunked driver forms as one product per chunk."""
+    contractions (e-prop's κ filter folded into the chunk too), and the instantaneous
+    gradients of untraced uses (GRU's reset-gate weight, the readouts), which the
+    chunked driver forms as one product per chunk."""
     case = next(c for c in CATALOGUE if c.name == name)
     graph, state, xs, ts = _problem(case, 11)
     make = CHUNKABLE[rule]
