@@ -93,13 +93,22 @@ def _mix(M: Array, e: Array, has_input: bool) -> Array:
     return jnp.sum(M * e[..., None, :], axis=-1)
 
 
+SLICE_LOOP_BACKENDS: tuple[str, ...] = ("cpu",)
+"""Backends on which `_weigh` contracts slice by slice (a loop) instead of in one
+contraction."""
+
+
 def _weigh(A: Array, e: Array, has_input: bool) -> Array:
     """``Σ_{n,a} A[n, o, a] e[n, (i,) o, a]``.
 
-    Accumulated one batch slice at a time: XLA's CPU reductions over a major axis
-    of a large array are an order of magnitude slower than this loop, which reads
-    the trace once.
+    On CPU, accumulated one batch slice at a time: XLA's CPU reductions over a major
+    axis of a large array are an order of magnitude slower than this loop, which
+    reads the trace once. On accelerators, where each loop iteration is a kernel
+    launch and the reduction is fast, one contraction.
     """
+    if jax.default_backend() not in SLICE_LOOP_BACKENDS:
+        spec = "noa,nioa->io" if has_input else "noa,noa->o"
+        return jnp.einsum(spec, A, e.astype(jnp.result_type(A, e)))
     init = jnp.zeros(e.shape[1:-1], jnp.result_type(A, e))
     add = functools.partial(_weigh_slice, A, e, has_input)
     total: Array = jax.lax.fori_loop(0, e.shape[0], add, vary_tree(init, A, e))
