@@ -597,15 +597,21 @@ def _check_sequences(
         )
     (T,) = lengths
     check_sequence_length(T)
+    check_time_major(graph, xs, "xs and targets are")
+    return T
+
+
+def check_time_major(graph: ETraceGraph, xs: Any, what: str) -> None:
+    """Check one step's slice of the sequence `xs` against the graph's inputs; on a
+    mismatch, say that sequences are time-major (`what` names the sequences)."""
     try:
         fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
     except StepInputError as err:
         raise StepInputError(
-            f"{err} Sequences are time-major: xs and targets are (T, …) with one step's "
-            "input after the time axis (for a batched model, (T, B, …)); move a leading "
-            "batch axis with jnp.swapaxes(xs, 0, 1)."
+            f"{err} Sequences are time-major: {what} (T, …) with one step's input after "
+            "the time axis (for a batched model, (T, B, …)); move a leading batch axis "
+            "with jnp.swapaxes(xs, 0, 1)."
         ) from None
-    return T
 
 
 def _cast_sequence(graph: ETraceGraph, xs: Any) -> Any:

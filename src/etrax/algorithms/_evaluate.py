@@ -13,12 +13,11 @@ from ..executor import (
     ModelState,
     as_args,
     check_sequence_length,
-    fast_check_inputs,
     fast_check_state,
     forward_pure,
     require_graph,
 )
-from ._drivers import _cast_sequence, _step_structs
+from ._drivers import _cast_sequence, check_time_major
 
 __all__ = ["Evaluation", "evaluate"]
 
@@ -96,13 +95,6 @@ def evaluate(graph: ETraceGraph, state: ModelState, xs: Any) -> Evaluation:
             f"every leaf of xs needs the same leading time axis, got lengths {sorted(lengths)}"
         )
     check_sequence_length(lengths.pop())
-    try:
-        fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
-    except StepInputError as err:
-        raise StepInputError(
-            f"{err} Sequences are time-major: xs is (T, …) with one step's input after the "
-            "time axis (for a batched model, (T, B, …)); move a leading batch axis with "
-            "jnp.swapaxes(xs, 0, 1)."
-        ) from None
+    check_time_major(graph, xs, "xs is")
     ys, final = _evaluate_jit(graph, state, xs)
     return Evaluation(ys, final)
