@@ -295,7 +295,7 @@ def make_data(cfg: Config, T: int) -> Data:
 # --- the two libraries' online learners --------------------------------------------
 
 
-def _etrax_rule(method: str) -> etrax.OnlineAlgorithm[Any]:
+def etrax_rule(method: str) -> etrax.OnlineAlgorithm[Any]:
     if method == "D-RTRL":
         return etrax.DRTRL()
     if method == "pp-prop":
@@ -406,7 +406,7 @@ def build_program(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
         return _aot(step.bptt, step.values, data.xs, data.targets)
     if lib == "etrax":
         graph = etrax.compile_etrace_graph(_initialised(lib, cfg), data.x0)
-        algo = _etrax_rule(method)
+        algo = etrax_rule(method)
         state = etrax.state_of(graph)
 
         def online(state: etrax.ModelState, traces: Any, xs: Array, targets: Array) -> Any:
@@ -493,7 +493,7 @@ def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
                 return bptt(step.values, xs, data.targets)
 
     elif lib == "etrax":
-        learner = etrax.compile(model, _etrax_rule(method), data.x0, batch_size=cfg.batch_size)
+        learner = etrax.compile(model, etrax_rule(method), data.x0, batch_size=cfg.batch_size)
 
         def call(xs: Array) -> Any:
             return learner.etrace_grad(xs, data.targets, mse)

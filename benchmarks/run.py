@@ -1,4 +1,4 @@
-"""Run the benchmarks (`nox -s bench`): `python benchmarks/run.py [executor|online|peer ...]
+"""Run the benchmarks (`nox -s bench`): `python benchmarks/run.py [executor|online|peer|scale ...]
 [--option ...]`; options (after the names) go to the suites that take them, e.g.
 `python benchmarks/run.py peer --matrix gpu --out DIR` (see `bench_peer.py`)."""
 
@@ -18,10 +18,17 @@ def _peer(options: Sequence[str]) -> str:
     return bench_peer.run(options)
 
 
+def _scale(options: Sequence[str]) -> str:
+    from benchmarks import bench_scale  # builds its models with bench_peer's (braintrace)
+
+    return bench_scale.run(options)
+
+
 SUITES: dict[str, Callable[[Sequence[str]], str]] = {
     "executor": lambda options: bench_executor.run(),
     "online": lambda options: bench_online.run(),
     "peer": _peer,
+    "scale": _scale,
 }
 
 

@@ -334,3 +334,27 @@ def test_trace_contraction_is_the_same_on_every_backend(
     contracted = _kernels._weigh(A, e, has_input)
     np.testing.assert_allclose(looped, expected, rtol=1e-12)
     np.testing.assert_allclose(contracted, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 8, 9])
+@pytest.mark.parametrize("axis", [-1, -2, 0])
+def test_short_sum_equals_a_sum(n: int, axis: int) -> None:
+    """`short_sum` (slice additions for a short axis, `jnp.sum` beyond `SHORT_AXIS`)
+    equals `jnp.sum` over any axis and length, empty included; the small-block
+    products of the chunked kernels built on it equal their einsums."""
+    from etrax.algorithms import _kernels
+
+    shape = [3, 4, 5]
+    shape[axis] = n
+    x = jax.random.normal(jax.random.PRNGKey(n), tuple(shape))
+    np.testing.assert_allclose(_kernels.short_sum(x, axis), jnp.sum(x, axis=axis), rtol=1e-12)
+    if axis == -1 and n:
+        M = jax.random.normal(jax.random.PRNGKey(7), (2, 3, n, n))
+        N = jax.random.normal(jax.random.PRNGKey(8), (2, 3, n, n))
+        v = jax.random.normal(jax.random.PRNGKey(9), (2, 3, n))
+        np.testing.assert_allclose(
+            _kernels._matvec(M, v), jnp.einsum("noac,noc->noa", M, v), rtol=1e-12
+        )
+        np.testing.assert_allclose(
+            _kernels._matmul(M, N), jnp.einsum("noac,nocb->noab", M, N), rtol=1e-12
+        )

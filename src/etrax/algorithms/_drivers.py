@@ -651,8 +651,6 @@ def _fits_targets_like(loss_fn: LossFn | AuxLossFn[Any], y: Any) -> bool:
 
 def _check_loss(
     graph: ETraceGraph,
-    state: ModelState,
-    xs: Any,
     targets: Any,
     loss_fn: LossFn | AuxLossFn[Any],
     has_aux: bool = False,
@@ -669,9 +667,10 @@ def _check_loss(
         raise TypeError(
             f"loss_fn must be callable as loss_fn(y_t, target_t), got {type(loss_fn).__name__}"
         )
-    first = _step_structs(xs)
     target0 = _step_structs(targets)
-    y = jax.eval_shape(lambda s, x: forward_pure(graph, s, as_args(graph, x))[0], state, first)
+    # the output's shapes as traced at compile time (state and inputs are checked
+    # against the graph before this, so they are the step's shapes)
+    y = graph.module_info.output_structs()
     try:
         out = jax.eval_shape(loss_fn, y, target0)
     except (TypeError, ValueError) as err:
@@ -825,7 +824,7 @@ def online_grad(
                 f"traces do not match {type(algo).__name__}.init(graph, state) for this graph "
                 "(a different graph or algorithm?)"
             )
-        _check_loss(graph, state, xs, targets, loss_fn, has_aux)
+        _check_loss(graph, targets, loss_fn, has_aux)
         _remember(graph, key)
     grads, aux = _online_jit(
         graph, loss_fn, window, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
@@ -1002,7 +1001,7 @@ def bptt_grad(
     _check_sequences(graph, xs, targets, loss_fn)
     key = ("bptt", _avals(xs), _avals(targets), loss_fn)
     if not _seen(graph, key):
-        _check_loss(graph, state, xs, targets, loss_fn)
+        _check_loss(graph, targets, loss_fn)
         _remember(graph, key)
     grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets)
     return BPTTResult(grads, cast(BPTTAux, aux))

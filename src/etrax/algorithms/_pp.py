@@ -16,7 +16,7 @@ from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, NoFilter
 from ._base import EffGrads, Weights, add_into, scan_chunk
-from ._kernels import map_extra
+from ._kernels import map_extra, short_sum
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
 
@@ -155,10 +155,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
         for slot, ef in zip(plan.slots, traces.f, strict=True):
             D = jac.D[slot.group]
             df = jac.df[slot.relation][slot.tail]
-            if slot.num_state == 1:
-                mixed = D[..., 0] * ef
-            else:
-                mixed = jnp.sum(D * ef[..., None, :], axis=-1)
+            mixed = short_sum(D * ef[..., None, :])  # D ⊛ ε_f
             fs.append(a * mixed + (1.0 - a) * df)
         return IOTraces(tuple(xs), tuple(fs), traces.count + 1)
 
@@ -167,7 +164,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
         ef = traces.f[k]
         n = jnp.maximum(traces.count, 1).astype(ef.dtype)
         correction = 1.0 - jnp.asarray(self.decay, ef.dtype) ** n
-        return jnp.sum(ef * L, axis=-1) / jnp.maximum(correction, 1e-12)
+        return short_sum(ef * L) / jnp.maximum(correction, 1e-12)
 
     def _slot_grads(
         self, traces: IOTraces, k: int, slot: Any, L: Array, weights: Weights

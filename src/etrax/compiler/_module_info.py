@@ -17,6 +17,7 @@ import numpy as np
 from .._compat import (
     ClosedJaxpr,
     Jaxpr,
+    shape_struct,
 )
 from .._typing import Path, PyTree, Shape, VarId
 from ._diagnostics import CompilationRecord
@@ -230,6 +231,13 @@ class ModuleInfo(eqx.Module):
         for s in self.states:
             flat.extend(jax.tree.leaves(state_vals[s.path]))
         return flat
+
+    def output_structs(self) -> PyTree:
+        """The model output's shapes and dtypes (`jax.ShapeDtypeStruct` leaves in the
+        output's structure), read from the traced step: no tracing."""
+        avals = self.program.closed.out_avals[: self.num_var_out]
+        structs = [shape_struct(a.shape, a.dtype, a.weak_type) for a in avals]
+        return jax.tree.unflatten(self.out_tree, structs)
 
     def split_outputs(
         self, outs: Sequence[Any]
