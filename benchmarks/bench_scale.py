@@ -13,9 +13,10 @@ own brainstate ``update`` in a `lax.scan`; BPTT: `jax.grad` over it; etrax's
   configurations that do not fit this machine are still measured. BPTT's grows
   with T; for it the sweep also compiles ``T/2`` steps and reports the length at
   which it would fill this machine's memory (a straight line through the two).
-- **Per-step time**: the compiled program of ``--time-steps`` steps (default 20),
-  run on this machine if its memory fits (with a margin) and a first call takes at
-  most ``--max-call`` seconds, divided by the steps; shown in milliseconds and as a
+- **Per-step time**: the compiled program of ``--time-steps`` steps (default 32:
+  one chunk of the chunked rules), run on this machine if its memory fits (with a
+  margin), divided by the steps: the median of ``--repeats`` calls, or the first
+  call alone if it took over ``--max-call`` seconds; shown in milliseconds and as a
   multiple of the forward step.
 
 Results go to ``<out>/scale_<device>.md`` and ``.png``. braintrace is not involved.
@@ -302,7 +303,7 @@ def _arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=256, help="H of the depth sweep")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--memory-steps", type=int, default=1000)
-    parser.add_argument("--time-steps", type=int, default=20)
+    parser.add_argument("--time-steps", type=int, default=32, help="steps per timed call")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per program")
     parser.add_argument(
         "--max-call", type=float, default=30.0, help="time a program once if a call takes longer"
