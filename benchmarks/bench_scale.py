@@ -117,6 +117,12 @@ class Point:
     fills_at: float = math.nan
 
 
+Results = dict[Config, dict[str, Point]]
+"""Per configuration of one sweep, per method."""
+Sweeps = dict[str, tuple[Sweep, Results]]
+"""Per sweep name, the sweep and its results so far."""
+
+
 def _machine_memory() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
@@ -170,7 +176,7 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f}" if nbytes >= 0.01 * GiB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _rows(sweep: Sweep, results: dict[Config, dict[str, Point]], ram: float) -> list[list[str]]:
+def _rows(sweep: Sweep, results: Results, ram: float) -> list[list[str]]:
     rows = []
     for cfg, points in results.items():
         fwd = points["forward"].step_s
@@ -195,7 +201,7 @@ def _rows(sweep: Sweep, results: dict[Config, dict[str, Point]], ram: float) -> 
     return rows
 
 
-def _summary(sweeps: dict[str, tuple[Sweep, dict[Config, dict[str, Point]]]], ram: float) -> str:
+def _summary(sweeps: Sweeps, ram: float) -> str:
     lines = []
     for sweep, results in sweeps.values():
         for method in METHODS[1:]:
@@ -209,7 +215,7 @@ def _summary(sweeps: dict[str, tuple[Sweep, dict[Config, dict[str, Point]]]], ra
 
 
 def report(
-    sweeps: dict[str, tuple[Sweep, dict[Config, dict[str, Point]]]],
+    sweeps: Sweeps,
     memory_steps: int,
     time_steps: int,
     ram: float,
@@ -251,7 +257,7 @@ Timings on shared machines are noisy; compare within a table.
 
 
 def plot(
-    sweeps: dict[str, tuple[Sweep, dict[Config, dict[str, Point]]]],
+    sweeps: Sweeps,
     path: Path,
     memory_steps: int,
     ram: float,
@@ -318,11 +324,11 @@ def run(argv: Sequence[str] = ()) -> str:
     platform = jax.devices()[0].platform
     args.out.mkdir(parents=True, exist_ok=True)
     md, png = args.out / f"scale_{platform}.md", args.out / f"scale_{platform}.png"
-    done: dict[str, tuple[Sweep, dict[Config, dict[str, Point]]]] = {}
+    done: Sweeps = {}
     start = time.perf_counter()
     text = ""
     for sweep in _sweeps(args.batch, args.sizes, args.depths, args.width):
-        results: dict[Config, dict[str, Point]] = {}
+        results: Results = {}
         done[sweep.name] = (sweep, results)
         for cfg in sweep.configs:
             print(f"  {cfg.label}", flush=True)
