@@ -34,6 +34,7 @@ def _kind(code: str) -> str:
     return "program"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_page_blocks_run(page: str) -> None:
     text = (ROOT / page).read_text()

@@ -119,6 +119,7 @@ def test_digits_data_are_row_sequences(digits: ModuleType) -> None:
     np.testing.assert_array_equal(again.labels, train.labels)  # a fixed split
 
 
+@pytest.mark.slow
 def test_digits_short_mode_trains_every_method(digits: ModuleType, float32: None) -> None:
     results = digits.main(["--short", "--neurons", "ALIF"])
     assert [r.method for r in results] == ["e-prop", "D-RTRL", "BPTT"]
@@ -126,6 +127,7 @@ def test_digits_short_mode_trains_every_method(digits: ModuleType, float32: None
         assert all(np.isfinite(r.losses)) and 0.0 <= r.test_accuracy <= 1.0
 
 
+@pytest.mark.slow
 def test_memory_online_is_flat_and_bptt_grows(memory: ModuleType, float32: None) -> None:
     results = memory.run((20, 400), methods=("pp-prop", "BPTT"))
     by = {(r.method, r.T): r for r in results}

@@ -273,6 +273,7 @@ def test_learner_arguments_are_checked() -> None:
         etrax.compile(LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros((3,)), batch_size=2, vmap=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rule",
     [etrax.DRTRL(chunk_steps=4), etrax.PPProp(0.8), etrax.EProp(kappa=0.5)],

@@ -147,6 +147,7 @@ def _cell_graphs(name: str, batch: int | None) -> tuple[Net, etrax.ETraceGraph, 
 CELL_CASES = [(name, 2) for name in CELLS] + [("GRUCell", None), ("LSTMCell", None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "batch"), CELL_CASES, ids=lambda v: str(v))
 def test_brainstate_cell_trains_like_its_etrax_counterpart(name: str, batch: int | None) -> None:
     bs, g_bs, g_et = _cell_graphs(name, batch)

@@ -323,6 +323,7 @@ def _train(rule: etrax.OnlineAlgorithm[Any], *, freeze: Path | None = None) -> l
     return losses
 
 
+@pytest.mark.slow
 def test_random_feedback_learns_a_task() -> None:
     """Trained by e-prop with random feedback, the network lowers the task's loss to
     under 5 % of its start, and below what the readout alone reaches (so the randomly
