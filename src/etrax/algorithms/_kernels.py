@@ -104,11 +104,8 @@ def _factors(slot: Slot, x: Array | None) -> dict[str, Array | None]:
 
 def _mix(M: Array, e: Array, has_input: bool) -> Array:
     """``Σ_c M[n, o, a, c] e[n, (i,) o, c]`` as broadcast products (no batched matvecs)."""
-    S = M.shape[-1]
     if has_input:
         M = M[:, None]
-    if S == 1:
-        return M[..., 0] * e
     return short_sum(M * e[..., None, :])
 
 
