@@ -13,11 +13,14 @@ import os
 # emitters (``--xla_cpu_use_fusion_emitters=false``) compile a small program about a
 # third faster than the fusion emitters (numerics are unchanged to the tolerances
 # checked). The generated-model test, which compiles thousands of single-op programs,
-# gains most.
+# gains most. One LLVM module per program (``--xla_cpu_parallel_codegen_split_count=1``)
+# instead of several compiled on a thread pool: the tests already run on two workers,
+# and the generated-model test spent about 12 % less CPU time (XLA's compile time fell
+# from 6.6 to 5.4 s per 30 models).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
-    " --xla_cpu_use_fusion_emitters=false",
+    " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1",
 )
 
 import brainstate

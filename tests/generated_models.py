@@ -93,6 +93,15 @@ class Normal:
         return jnp.asarray(std * self.rng.standard_normal(size), dtype=_dtype())
 
 
+class Zeros:
+    """A zero initialiser built in NumPy: unlike brainstate's own initialisers, it
+    compiles no XLA program for each new shape (model building stays cheap)."""
+
+    def __call__(self, shape: tuple[int, ...] | int, **kwargs: object) -> Array:
+        size = (shape,) if isinstance(shape, int) else tuple(shape)
+        return jnp.asarray(np.zeros(size), dtype=_dtype())
+
+
 def _param(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> Array:
     return Normal(rng, scale)(shape)
 
@@ -104,8 +113,7 @@ def _linear(rng: np.random.Generator, n_in: int, n: int, bias: bool = True) -> e
 
 
 def _zeros(shape: tuple[int, ...], batch: int | None) -> Array:
-    full = shape if batch is None else (batch, *shape)
-    return jnp.zeros(full, _dtype())
+    return Zeros()(shape if batch is None else (batch, *shape))
 
 
 def _sigmoid(w: Array) -> Array:
@@ -476,25 +484,28 @@ class Cell(Layer):
         super().__init__()
         w = Normal(rng, 1.0)
         bias = Normal(rng, 0.3)
+        zeros = Zeros()
         seed = int(rng.integers(1 << 30))
         self.n_out = n
         cell: brainstate.nn.Module
         if kind == "GRUCell":
-            cell = etrax.nn.GRUCell(n_in, n, w_init=w, b_init=bias)
+            cell = etrax.nn.GRUCell(n_in, n, w_init=w, b_init=bias, state_init=zeros)
         elif kind == "LSTMCell":
-            cell = etrax.nn.LSTMCell(n_in, n, w_init=w, b_init=bias)
+            cell = etrax.nn.LSTMCell(n_in, n, w_init=w, b_init=bias, state_init=zeros)
         elif kind == "MGUCell":
-            cell = etrax.nn.MGUCell(n_in, n, w_init=w, b_init=bias)
+            cell = etrax.nn.MGUCell(n_in, n, w_init=w, b_init=bias, state_init=zeros)
         elif kind == "MiniGRU":
-            cell = etrax.nn.MiniGRU(n_in, n, w_init=w, b_init=bias)
+            cell = etrax.nn.MiniGRU(n_in, n, w_init=w, b_init=bias, state_init=zeros)
         elif kind == "VanillaRNNCell":
-            cell = etrax.nn.VanillaRNNCell(n_in, n, activation="tanh", w_init=w, b_init=bias)
+            cell = etrax.nn.VanillaRNNCell(
+                n_in, n, activation="tanh", w_init=w, b_init=bias, state_init=zeros
+            )
         elif kind == "MiniLSTM":
-            cell = etrax.nn.MiniLSTM(n_in, n, w_init=w, b_init=bias)
+            cell = etrax.nn.MiniLSTM(n_in, n, w_init=w, b_init=bias, state_init=zeros)
         elif kind == "MinimalRNNCell":
-            cell = etrax.nn.MinimalRNNCell(n_in, n, w_init=w, b_init=bias)
+            cell = etrax.nn.MinimalRNNCell(n_in, n, w_init=w, b_init=bias, state_init=zeros)
         elif kind == "CFNCell":
-            cell = etrax.nn.CFNCell(n_in, n, w_init=w, b_init=bias)
+            cell = etrax.nn.CFNCell(n_in, n, w_init=w, b_init=bias, state_init=zeros)
         elif kind == "URLSTMCell":
             cell = etrax.nn.URLSTMCell(n_in, n, w_init=w, seed=seed)
         elif kind == "LRUCell":
@@ -503,9 +514,10 @@ class Cell(Layer):
         elif kind == "LeakyRateReadout":
             cell = etrax.nn.LeakyRateReadout(n_in, n, w_init=w)
         elif kind.startswith("bs."):  # a plain brainstate cell: no etrax op at all
-            cell = getattr(brainstate.nn, kind[3:])(n_in, n)
-            for st in cell.states(brainstate.ParamState).values():
-                st.value = jax.tree.map(lambda a: _param(rng, tuple(a.shape)), st.value)
+            same = Normal(rng, 1.0)
+            cell = getattr(brainstate.nn, kind[3:])(
+                n_in, n, w_init=same, b_init=same, state_init=zeros
+            )
         else:
             raise ValueError(f"unknown cell kind {kind!r}")
         self.cell = cell

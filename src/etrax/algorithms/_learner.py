@@ -7,7 +7,7 @@ in the model (read before, written after each call); traces live in the learner.
 
 import pathlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, BinaryIO, Literal, TypeAlias, TypeVar, cast, overload
 
 import brainstate
@@ -100,6 +100,7 @@ class OnlineLearner:
             info.path for info in mi.states if info.kind is StateKind.OTHER and info.written
         )
         self._weighted_losses: dict[tuple[LossFn | AuxLossFn[Any], bool], AuxLossFn[Any]] = {}
+        self._programs: dict[Hashable, Callable[..., Any]] = {}
         start = state_of(graph)
         self._initial_hidden = dict(start.hidden)
         self._initial_written = {p: start.other[p] for p in self._written_other}
@@ -127,21 +128,38 @@ class OnlineLearner:
         def init(st: ModelState, tr: PyTree, _: PyTree) -> tuple[ModelState, PyTree, PyTree]:
             return st, self.algorithm.init(self.graph, st), None
 
-        self.traces = self._run(init)[1]
+        def program(state: ModelState) -> PyTree:
+            return self._run(init, state, None)[1]
+
+        self.traces = self._program(("init",), program)(state_of(self.graph))
+
+    def _program(self, key: Hashable, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` under `jax.jit`, built once per `key`, so that every call of a method
+        runs one XLA program (compiled on the first call, then reused) instead of
+        several small eager ones. An unhashable key (an unhashable loss function)
+        gets a fresh program each call."""
+        try:
+            program = self._programs.get(key)
+        except TypeError:
+            return jax.jit(fn)
+        if program is None:
+            program = self._programs[key] = jax.jit(fn)
+        return program
 
     def _run(
         self,
         run: Callable[[ModelState, PyTree, PyTree], tuple[ModelState, PyTree, PyTree]],
+        state: ModelState,
+        traces: PyTree,
         seq: PyTree = None,
         seq_axes: PyTree = None,
     ) -> tuple[ModelState, PyTree, PyTree]:
-        """``run(state, traces, seq) -> (state, traces, out)`` on the model's current
-        state: directly, or with `vmap` per sample under `jax.vmap` (hidden and written
-        states, traces, `seq` along `seq_axes` and `out` mapped over the batch;
-        parameters and the other states shared)."""
-        state = state_of(self.graph)
+        """``run(state, traces, seq) -> (state, traces, out)``: directly, or with `vmap`
+        per sample under `jax.vmap` (hidden and written states, traces, `seq` along
+        `seq_axes` and `out` mapped over the batch; parameters and the other states
+        shared)."""
         if not self.vmap:
-            return run(state, self.traces, seq)
+            return run(state, traces, seq)
         written = self._written_other
         other_axes = PathDict((p, 0 if p in written else None) for p in state.other)
 
@@ -149,9 +167,9 @@ class OnlineLearner:
             new, tr, out = run(ModelState(state.params, hidden, other), traces, s)
             return new.hidden, PathDict((p, new.other[p]) for p in written), tr, out
 
-        traces_axes = None if self.traces is None else 0
+        traces_axes = None if traces is None else 0
         hidden, mapped, traces, out = jax.vmap(one, in_axes=(0, other_axes, traces_axes, seq_axes))(
-            state.hidden, state.other, self.traces, seq
+            state.hidden, state.other, traces, seq
         )
         other = PathDict((p, mapped[p] if p in written else v) for p, v in state.other.items())
         return ModelState(state.params, hidden, other), traces, out
@@ -384,7 +402,7 @@ class OnlineLearner:
             raise ValueError(
                 f"loss_output must be 'weighted', 'per_step' or 'total', got {loss_output!r}"
             )
-        targets, weighted_fn, weighted = self._weighted(xs, ys, fn, mask, reduction, has_aux)
+        weighted_fn, weighted = self._weighted(fn, mask is None, reduction, has_aux)
         seq_axes = (1, (1, None) if weighted else 1, None if modulators is None else 1)
 
         def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
@@ -405,43 +423,69 @@ class OnlineLearner:
             raw, aux = pair if weighted else (result.losses, result.loss_aux)
             return result.state, result.traces, (result.grads, result.losses, raw, aux)
 
-        before = state_of(self.graph)
-        state, traces, (grads, losses, raw, aux) = self._run(
-            run, (xs, targets, modulators), seq_axes
+        def program(
+            before: ModelState, traces: PyTree, xs: Any, ys: Any, mask: Any, modulators: PyTree
+        ) -> Any:
+            targets = (ys, self._step_weights(xs, mask, reduction, before)) if weighted else ys
+            state, traces, (grads, losses, raw, aux) = self._run(
+                run, before, traces, (xs, targets, modulators), seq_axes
+            )
+            grads, losses, raw = self._over_batch((grads, losses, raw), "sum")
+            aux = self._over_batch(aux, "time_first")
+            shown = {"weighted": losses, "per_step": raw, "total": jnp.sum(losses)}[loss_output]
+            silent = self._silence(before, state, grads)
+            return state, traces, grads, shown, aux, silent
+
+        key = ("grad", weighted_fn, weighted, reduction, has_aux, loss_output, window)
+        state, traces, grads, shown, aux, silent = self._program(key, program)(
+            state_of(self.graph), self.traces, xs, ys, mask, modulators
         )
-        grads, losses, raw = self._over_batch((grads, losses, raw), "sum")
-        aux = self._over_batch(aux, "time_first")
-        self._warn_if_silent(before, state, grads)
+        self._warn_if_silent(*silent)
         write_back(self.graph, state)
         self.traces = traces
-        shown = {"weighted": losses, "per_step": raw, "total": jnp.sum(losses)}[loss_output]
         if return_value:
             return (grads, shown, aux) if has_aux else (grads, shown)
         return (grads, aux) if has_aux else grads
 
-    def _warn_if_silent(self, before: ModelState, after: ModelState, grads: Grads) -> None:
-        """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
-        sequence, or every gradient is exactly zero."""
+    def _silence(self, before: ModelState, after: ModelState, grads: Grads) -> tuple[Array, Array]:
+        """Per hidden group, whether it did not change over the sequence; and whether
+        every gradient is exactly zero (computed inside the program)."""
         still = [
-            g.index
-            for g in self.graph.hidden_groups
-            if all(
-                bool(jnp.array_equal(a, b))  # leaf by leaf: values may carry units
-                for p in g.hidden_paths
-                for a, b in zip(
-                    jax.tree.leaves(before.hidden[p]), jax.tree.leaves(after.hidden[p]), strict=True
+            jnp.all(
+                jnp.stack(
+                    [
+                        jnp.array_equal(a, b)  # leaf by leaf: values may carry units
+                        for p in g.hidden_paths
+                        for a, b in zip(
+                            jax.tree.leaves(before.hidden[p]),
+                            jax.tree.leaves(after.hidden[p]),
+                            strict=True,
+                        )
+                    ]
+                    or [jnp.asarray(False)]
                 )
             )
+            for g in self.graph.hidden_groups
         ]
-        if still:
+        leaves = jax.tree.leaves(grads)
+        nonzero = [jnp.any(g != 0) for g in leaves]
+        all_zero = jnp.logical_not(jnp.any(jnp.stack(nonzero))) if nonzero else jnp.asarray(False)
+        return jnp.stack(still) if still else jnp.zeros((0,), bool), all_zero
+
+    def _warn_if_silent(self, still: Array, all_zero: Array) -> None:
+        """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
+        sequence, or every gradient is exactly zero."""
+        unchanged = [
+            g.index for g, s in zip(self.graph.hidden_groups, still.tolist(), strict=True) if s
+        ]
+        if unchanged:
             warnings.warn(
-                f"hidden group(s) {still} did not change over the sequence: the inputs may "
+                f"hidden group(s) {unchanged} did not change over the sequence: the inputs may "
                 "not reach them, or a layer is saturated",
                 SilentNetworkWarning,
                 stacklevel=3,
             )
-        leaves = jax.tree.leaves(grads)
-        if leaves and not any(bool(jnp.any(g != 0)) for g in leaves):
+        if bool(all_zero):
             warnings.warn(
                 "every gradient is exactly zero over this sequence: a spiking layer may be "
                 "silent (no membrane near threshold; see etrax.nn.LIF's R and the input "
@@ -451,29 +495,28 @@ class OnlineLearner:
             )
 
     def _weighted(
-        self,
-        xs: Any,
-        ys: Any,
-        loss_fn: LossFn | AuxLossFn[Any],
-        mask: Any,
-        reduction: str,
-        has_aux: bool,
-    ) -> tuple[Any, LossFn | AuxLossFn[Any], bool]:
-        """Targets and loss with the per-step weights of `mask` and `reduction` folded
-        in as data (so new masks never recompile), and whether they were: the
-        weighted loss returns ``(w · loss, (loss, aux))``."""
+        self, loss_fn: LossFn | AuxLossFn[Any], no_mask: bool, reduction: str, has_aux: bool
+    ) -> tuple[LossFn | AuxLossFn[Any], bool]:
+        """The loss with per-step weights folded in as data (so new masks never
+        recompile) and whether it has them: without a mask and with ``"sum"`` the loss
+        itself; otherwise ``(y, (target, w)) ↦ (w · loss, (loss, aux))``."""
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-        if mask is None and reduction == "sum":
-            return ys, loss_fn, False
+        if no_mask and reduction == "sum":
+            return loss_fn, False
+        return self._weighted_loss(loss_fn, has_aux), True
+
+    def _step_weights(self, xs: Any, mask: Any, reduction: str, state: ModelState) -> Array:
+        """The per-step weights ``w`` of `mask` (ones without one), divided by their
+        sum (at least 1) for ``"mean"``."""
         T = int(jnp.shape(jax.tree.leaves(xs)[0])[0])
-        dtype = jnp.result_type(*jax.tree.leaves(state_of(self.graph).hidden))
+        dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
         w = jnp.ones((T,), dtype) if mask is None else jnp.asarray(mask, dtype)
         if w.shape != (T,):
             raise StepInputError(f"mask must have one weight per step, shape ({T},), got {w.shape}")
         if reduction == "mean":
             w = w / jnp.maximum(jnp.sum(w), 1.0)
-        return (ys, w), self._weighted_loss(loss_fn, has_aux), True
+        return w
 
     def _weighted_loss(self, loss_fn: LossFn | AuxLossFn[Any], has_aux: bool) -> AuxLossFn[Any]:
         """``(y, (target, w)) ↦ (w · loss, (loss, aux))``, one function per loss (so
@@ -509,19 +552,38 @@ class OnlineLearner:
                 self.graph, self.algorithm, st, tr, x, return_outputs=return_outputs
             )
 
-        state, traces, outs = self._run(run, xs, 1)
+        def program(state: ModelState, traces: PyTree, xs: Any) -> Any:
+            state, traces, outs = self._run(run, state, traces, xs, 1)
+            return state, traces, self._over_batch(outs, "time_first")
+
+        state, traces, outs = self._program(("evolve", return_outputs), program)(
+            state_of(self.graph), self.traces, xs
+        )
         write_back(self.graph, state)
         self.traces = traces
-        return self._over_batch(outs, "time_first") if return_outputs else None
+        return outs if return_outputs else None
 
     def __call__(self, *x: Any) -> PyTree:
         """One step on input `x` (the model's ``update`` arguments): advances the hidden
         states and the traces, and returns the step's output."""
         one = x[0] if len(x) == 1 else x
-        outs = self.etrace_evolve(
-            jax.tree.map(lambda a: jnp.asarray(a)[None], one), return_outputs=True
+
+        def run(st: ModelState, tr: PyTree, x: PyTree) -> tuple[ModelState, PyTree, PyTree]:
+            xs = jax.tree.map(lambda a: jnp.asarray(a)[None], x)
+            st, tr, outs = online_evolve(
+                self.graph, self.algorithm, st, tr, xs, return_outputs=True
+            )
+            return st, tr, jax.tree.map(lambda a: a[0], outs)
+
+        def program(state: ModelState, traces: PyTree, x: Any) -> Any:
+            return self._run(run, state, traces, x, 0)
+
+        state, traces, out = self._program(("call",), program)(
+            state_of(self.graph), self.traces, one
         )
-        return jax.tree.map(lambda a: a[0], outs)
+        write_back(self.graph, state)
+        self.traces = traces
+        return out
 
     @overload
     def bptt_grad(
@@ -543,8 +605,13 @@ class OnlineLearner:
             result = bptt_grad(self.graph, st, seq[0], seq[1], loss_fn)
             return result.state, tr, (result.grads, result.losses, result.losses, None)
 
-        state, _, (grads, losses, _, _) = self._run(run, (xs, ys), (1, 1))
-        grads, losses = self._over_batch((grads, losses), "sum")
+        def program(state: ModelState, xs: Any, ys: Any) -> Any:
+            state, _, (grads, losses, _, _) = self._run(run, state, None, (xs, ys), (1, 1))
+            return state, self._over_batch((grads, losses), "sum")
+
+        state, (grads, losses) = self._program(("bptt", loss_fn), program)(
+            state_of(self.graph), xs, ys
+        )
         write_back(self.graph, state)
         return (grads, losses) if return_value else grads
 
