@@ -119,6 +119,57 @@ def test_one_step_call_and_seed_and_report(capsys: pytest.CaptureFixture[str]) -
     assert "relation" in capsys.readouterr().out.lower()
 
 
+class CompileCount:
+    """Counts XLA compilations inside a ``with`` block."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listen(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCount":
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def test_each_method_compiles_one_program_once() -> None:
+    """A learner method's first call compiles exactly one XLA program (the online
+    driver, the mask weights, the silence checks and the totals together); a second
+    call with new values, and `reset`, compile nothing."""
+    learner, xs_jax, ys_jax = setup(etrax.DRTRL())
+    xs, ys = np.asarray(xs_jax), np.asarray(ys_jax)  # NumPy: indexing compiles nothing
+    xs2, ys2 = xs + 0.5, ys - 0.5
+    mask = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    calls: list[tuple[str, Any]] = [
+        ("etrace_grad", lambda x, y, m: learner.etrace_grad(x, y, mse, return_value=True)),
+        (
+            "etrace_grad(mask, mean, total)",
+            lambda x, y, m: learner.etrace_grad(
+                x, y, mse, mask=m, reduction="mean", loss_output="total"
+            ),
+        ),
+        ("etrace_evolve", lambda x, y, m: learner.etrace_evolve(x, return_outputs=True)),
+        ("__call__", lambda x, y, m: learner(x[0])),
+        ("bptt_grad", lambda x, y, m: learner.bptt_grad(x, y, mse)),
+    ]
+    for name, call in calls:
+        with CompileCount() as first:
+            jax.block_until_ready(call(xs, ys, mask))
+        with CompileCount() as second:
+            jax.block_until_ready(call(xs2, ys2, 1.0 - mask))
+        assert (first.count, second.count) == (1, 0), name
+    with CompileCount() as reset:
+        learner.reset()
+    assert reset.count == 0
+
+
 def test_reset_restores_states_no_reset_state_resets() -> None:
     """`LeakyTanh` creates its state in ``init_state`` and has no ``reset_state``:
     `reset` still returns it (and the traces) to the start."""
