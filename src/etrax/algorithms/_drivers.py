@@ -375,6 +375,8 @@ def _scan_blocks(
     shorter) and concatenate its per-step outputs (a pytree, each leaf ``(K, ...)``
     per block). Blocks are sliced inside the loop, so the sequence is never copied."""
     n_full, rem = divmod(T, K)
+    if n_full == 1 and not rem:  # one block: no loop around it (a smaller program)
+        return body(carry, seq)  # type: ignore[no-any-return]
     parts = []
     if n_full:
 

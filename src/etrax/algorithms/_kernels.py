@@ -127,6 +127,8 @@ def _weigh(A: Array, e: Array, has_input: bool) -> Array:
         return jnp.einsum(spec, A, e.astype(jnp.result_type(A, e)))
     init = jnp.zeros(e.shape[1:-1], jnp.result_type(A, e))
     add = functools.partial(_weigh_slice, A, e, has_input)
+    if e.shape[0] == 1:  # one slice (an unbatched model): no loop
+        return add(0, init)
     total: Array = jax.lax.fori_loop(0, e.shape[0], add, vary_tree(init, A, e))
     return total
 
