@@ -476,7 +476,10 @@ def _path_name(path: Sequence[Any]) -> str:
 
 
 def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
-    """Each library's user path from a model with weights but no states yet."""
+    """Each library's user path from a model with weights but no states yet, from
+    cleared JAX caches: no build reuses a trace or an XLA program of an earlier one
+    (an earlier build of the same model made a second one up to 30 % faster)."""
+    jax.clear_caches()  # type: ignore[no-untyped-call]  # unannotated in JAX
     model = make_model(lib, cfg)
     call: Callable[[Array], Any]
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -721,7 +724,9 @@ machines are noisy: compare ratios within this table, not absolute times across 
   tracing, XLA compile and the first call returning gradients (etrax:
   `etrax.compile` + `learner.etrace_grad`; braintrace: `braintrace.compile` +
   `brainstate.transform.jit(etrace_grad)`; forward/BPTT: `jax.jit` of the scans), in
-  wall-clock seconds, the fastest of {first_repeats} fresh build(s); the ratio is also
+  wall-clock seconds, the fastest of {first_repeats} fresh build(s), each from cleared
+  JAX caches (`jax.clear_caches()`: no build reuses an earlier one's traces or XLA
+  programs); the ratio is also
   given in this process's CPU time. Few samples: expect ±50 % on a shared machine.
   **2nd-call compiles**: XLA compilations triggered by a second call with new input
   values (should be 0).

@@ -170,6 +170,21 @@ def test_each_method_compiles_one_program_once() -> None:
     assert reset.count == 0
 
 
+def test_the_learner_keeps_a_bounded_number_of_programs() -> None:
+    """A new loss function per call builds a new program; the learner keeps the
+    `MAX_PROGRAMS` most recently used (a recently used one survives the others)."""
+    from etrax.algorithms._learner import MAX_PROGRAMS
+
+    learner, _, _ = setup(etrax.DRTRL(chunk_steps=1))
+    kept = learner._program(("kept",), lambda: None)
+    for i in range(2 * MAX_PROGRAMS):
+        learner._program(("loss", i), lambda: None)
+        assert learner._program(("kept",), lambda: None) is kept  # used again: kept
+    assert len(learner._programs) == MAX_PROGRAMS
+    assert ("loss", 0) not in learner._programs
+    assert ("loss", 2 * MAX_PROGRAMS - 1) in learner._programs
+
+
 def test_reset_restores_states_no_reset_state_resets() -> None:
     """`LeakyTanh` creates its state in ``init_state`` and has no ``reset_state``:
     `reset` still returns it (and the traces) to the start."""

@@ -41,6 +41,9 @@ LossOutput: TypeAlias = Literal["weighted", "per_step", "total"]
 ``w_t · loss_t`` (the terms of the objective), ``"per_step"`` the raw per-step
 ``loss_t``, ``"total"`` the objective ``Σ_t w_t · loss_t`` (a scalar)."""
 
+MAX_PROGRAMS = 16
+"""How many jitted programs (one per method and loss function) a learner keeps."""
+
 # A run's per-step results: (grads, weighted losses, raw losses, loss aux).
 _Run: TypeAlias = tuple[ModelState, PyTree, tuple[Grads, Array, ArrayTree, ArrayTree]]
 
@@ -69,6 +72,13 @@ class OnlineLearner:
     hidden states then carry a leading batch axis, the parameters are shared, and the
     gradients are summed over the samples (as a batched model's are for a loss summed
     over the batch).
+
+    Each method runs one jitted program, built on its first call and reused after:
+    ``etrace_grad``'s holds the online driver, the mask's per-step weights, the loss
+    totals and the checks behind `SilentNetworkWarning`, so a first call compiles one
+    XLA program and a call with new values (a new mask included) none. Pass the same
+    loss function object every call (a new function, e.g. a new ``lambda``, builds a
+    new program).
 
     !!! Example
 
@@ -137,13 +147,18 @@ class OnlineLearner:
         """`fn` under `jax.jit`, built once per `key`, so that every call of a method
         runs one XLA program (compiled on the first call, then reused) instead of
         several small eager ones. An unhashable key (an unhashable loss function)
-        gets a fresh program each call."""
+        gets a fresh program each call. At most `MAX_PROGRAMS` are kept (the least
+        recently used goes first), so a new loss function per call cannot grow the
+        learner without bound."""
         try:
-            program = self._programs.get(key)
+            program = self._programs.pop(key, None)
         except TypeError:
             return jax.jit(fn)
         if program is None:
-            program = self._programs[key] = jax.jit(fn)
+            program = jax.jit(fn)
+            while len(self._programs) >= MAX_PROGRAMS:
+                del self._programs[next(iter(self._programs))]
+        self._programs[key] = program  # the most recently used last
         return program
 
     def _run(
