@@ -90,7 +90,9 @@ class Normal:
     def __call__(self, shape: tuple[int, ...] | int, **kwargs: object) -> Array:
         size = (shape,) if isinstance(shape, int) else tuple(shape)
         std = self.scale / math.sqrt(size[0]) if len(size) > 1 else self.scale
-        return jnp.asarray(std * self.rng.standard_normal(size), dtype=_dtype())
+        values = np.asarray(std * self.rng.standard_normal(size), dtype=_dtype())
+        placed: Array = jax.device_put(values)  # jnp.asarray would compile per shape
+        return placed
 
 
 class Zeros:
@@ -99,7 +101,8 @@ class Zeros:
 
     def __call__(self, shape: tuple[int, ...] | int, **kwargs: object) -> Array:
         size = (shape,) if isinstance(shape, int) else tuple(shape)
-        return jnp.asarray(np.zeros(size), dtype=_dtype())
+        placed: Array = jax.device_put(np.zeros(size, dtype=_dtype()))
+        return placed
 
 
 def _param(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> Array:

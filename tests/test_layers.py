@@ -244,3 +244,20 @@ def test_neuron_size_validation() -> None:
         etrax.nn.ALIF(())
     with pytest.raises(TypeError):
         etrax.nn.LIF(2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_zero_states_are_made_without_compiling(batch_size: int | None) -> None:
+    """Unitless zero initial states are made in NumPy (no XLA program per new shape)
+    and equal brainstate's own."""
+    from etrax.nn._common import init_param
+
+    from .test_learner import CompileCount
+
+    shape = (7, 11)  # a shape no other test creates
+    with CompileCount() as counted:
+        got = init_param(brainstate.nn.init.ZeroInit(), shape, batch_size)
+    want = brainstate.nn.init.param(brainstate.nn.init.ZeroInit(), shape, batch_size)
+    assert counted.count == 0
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    np.testing.assert_array_equal(got, want)

@@ -20,6 +20,7 @@ class Quantity:
 def get_unit(x: Any) -> Unit: ...
 def get_mantissa(x: Any) -> Any: ...
 
+UNITLESS: Unit
 mV: Unit
 ms: Unit
 nS: Unit

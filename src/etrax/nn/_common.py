@@ -4,7 +4,9 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import brainstate
+import brainunit as u
 import jax
+import numpy as np
 from jaxtyping import Array
 
 __all__ = ["Activation", "Initializer", "init_param", "resolve_activation"]
@@ -33,5 +35,14 @@ def resolve_activation(activation: Activation) -> Callable[[Array], Array]:
 def init_param(
     initializer: Initializer, shape: tuple[int, ...], batch_size: int | None = None
 ) -> Array:
-    """Create an array from a brainstate initializer (or an array) with an optional batch axis."""
+    """Create an array from a brainstate initializer (or an array) with an optional batch axis.
+
+    Unitless zeros (brainstate's `ZeroInit`, the default of every hidden state) are
+    made in NumPy and placed with `jax.device_put`: JAX's eager ``zeros`` (and
+    ``jnp.asarray`` of a NumPy array) compile an XLA program for each new shape, about
+    50 ms of a model's first call per state shape."""
+    if type(initializer) is brainstate.nn.init.ZeroInit and initializer.unit == u.UNITLESS:
+        full = shape if batch_size is None else (batch_size, *shape)
+        zeros: Array = jax.device_put(np.zeros(full, brainstate.environ.dftype()))
+        return zeros
     return brainstate.nn.init.param(initializer, shape, batch_size)  # type: ignore[no-any-return]

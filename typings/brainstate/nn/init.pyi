@@ -25,6 +25,7 @@ def param(
 ) -> Any: ...
 
 class ZeroInit(Initializer):
+    unit: Any
     def __init__(self, unit: Any = ...) -> None: ...
 
 class Constant(Initializer):
