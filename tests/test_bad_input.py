@@ -22,26 +22,16 @@ from jaxtyping import Array, ArrayLike
 
 import etrax
 
+from .compiles import CompileCount
 from .models import LeakyLinear, build
-
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @contextlib.contextmanager
 def no_xla_compilation() -> Iterator[None]:
     """Fail if XLA compiles anything inside the block."""
-    compiled: list[str] = []
-
-    def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == _COMPILE_EVENT:
-            compiled.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with CompileCount() as counted:
         yield
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert not compiled, f"{len(compiled)} XLA compilation(s) before the error"
+    assert not counted.count, f"{counted.count} XLA compilation(s) before the error"
 
 
 def snapshot(model: brainstate.nn.Module) -> dict[Any, list[Any]]:

@@ -252,7 +252,7 @@ def test_zero_states_are_made_without_compiling(batch_size: int | None) -> None:
     and equal brainstate's own."""
     from etrax.nn._common import init_param
 
-    from .test_learner import CompileCount
+    from .compiles import CompileCount
 
     shape = (7, 11)  # a shape no other test creates
     with CompileCount() as counted:

@@ -12,6 +12,7 @@ from jaxtyping import Array
 
 import etrax
 
+from .compiles import CompileCount
 from .models import LeakyTanhReadout
 from .oracles import bptt_grads
 
@@ -117,26 +118,6 @@ def test_one_step_call_and_seed_and_report(capsys: pytest.CaptureFixture[str]) -
     assert not np.array_equal(start(3), start(4))
     etrax.compile(LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros(3), verbose=True)
     assert "relation" in capsys.readouterr().out.lower()
-
-
-class CompileCount:
-    """Counts XLA compilations inside a ``with`` block."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def _listen(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == self.EVENT:
-            self.count += 1
-
-    def __enter__(self) -> "CompileCount":
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def test_each_method_compiles_one_program_once() -> None:

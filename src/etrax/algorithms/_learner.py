@@ -451,7 +451,10 @@ class OnlineLearner:
             silent = self._silence(before, state, grads)
             return state, traces, grads, shown, aux, silent
 
-        key = ("grad", weighted_fn, weighted, reduction, has_aux, loss_output, window)
+        key = (
+            "grad", weighted_fn, weighted, reduction, has_aux, loss_output, window,
+            modulators is None,
+        )  # fmt: skip
         state, traces, grads, shown, aux, silent = self._program(key, program)(
             state_of(self.graph), self.traces, xs, ys, mask, modulators
         )

@@ -1,0 +1,25 @@
+"""Counting XLA compilations in tests (JAX's backend-compile monitoring events)."""
+
+import jax
+
+__all__ = ["CompileCount"]
+
+
+class CompileCount:
+    """Counts XLA compilations inside a ``with`` block (`count`)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listen(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCount":
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
