@@ -270,8 +270,22 @@ def define_primitive(
     mlir.register_lowering(prim, lower)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> Any:
-        tangents = [ad.instantiate_zeros(t) for t in tangents]  # type: ignore[no-untyped-call]
-        return jax.jvp(lambda *ops: impl(*ops, **params), tuple(primals), tuple(tangents))
+        # differentiate along the operands with a tangent only: a symbolic zero
+        # tangent (e.g. a weight's, when only the input is perturbed) adds no products
+        live = [n for n, t in enumerate(tangents) if type(t) is not ad.Zero]
+        if not live:  # JAX calls a JVP rule with at least one tangent: kept for safety
+            tangents = [ad.instantiate_zeros(t) for t in tangents]  # type: ignore[no-untyped-call]
+            live = list(range(len(tangents)))
+
+        def along(*ops: Any) -> Any:
+            full = list(primals)
+            for n, op in zip(live, ops, strict=True):
+                full[n] = op
+            return impl(*full, **params)
+
+        return jax.jvp(
+            along, tuple(primals[n] for n in live), tuple(tangents[n] for n in live)
+        )
 
     ad.primitive_jvps[prim] = jvp
 

@@ -65,8 +65,17 @@ def add_into(acc: dict[str, Array], grads: Mapping[str, Array]) -> None:
 
 
 def add_eff(a: EffGrads, b: EffGrads, sign: float = 1.0) -> EffGrads:
+    """``a + sign · b``, relation by relation (keys missing from `b` kept as in `a`)."""
+
+    def term(x: Array, y: Array) -> Array:
+        if sign == 1.0:
+            return x + y
+        if sign == -1.0:
+            return x - y
+        return x + sign * y
+
     return tuple(
-        {k: x[k] + sign * y[k] if k in y else x[k] for k in x} for x, y in zip(a, b, strict=True)
+        {k: term(x[k], y[k]) if k in y else x[k] for k in x} for x, y in zip(a, b, strict=True)
     )
 
 

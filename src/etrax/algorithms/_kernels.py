@@ -51,6 +51,8 @@ def short_sum(x: Array, axis: int = -1) -> Array:
     n = x.shape[axis]
     if n == 0 or n > SHORT_AXIS:
         return jnp.sum(x, axis=axis)
+    if n == 1:
+        return jax.lax.squeeze(x, (axis % x.ndim,))
     parts = (jax.lax.index_in_dim(x, j, axis, keepdims=False) for j in range(n))
     return functools.reduce(operator.add, parts)
 
@@ -119,23 +121,26 @@ def _weigh(A: Array, e: Array, has_input: bool) -> Array:
 
     On CPU, accumulated one batch slice at a time: XLA's CPU reductions over a major
     axis of a large array are an order of magnitude slower than this loop, which
-    reads the trace once. On accelerators, where each loop iteration is a kernel
-    launch and the reduction is fast, one contraction.
+    reads the trace once. Up to `SHORT_AXIS` slices are summed without a loop
+    (`short_sum`: one element-wise fusion, and a much smaller program to compile). On accelerators,
+    where each loop iteration is a kernel launch and the reduction is fast, one
+    contraction.
     """
     if jax.default_backend() not in SLICE_LOOP_BACKENDS:
         spec = "noa,nioa->io" if has_input else "noa,noa->o"
         return jnp.einsum(spec, A, e.astype(jnp.result_type(A, e)))
-    init = jnp.zeros(e.shape[1:-1], jnp.result_type(A, e))
-    add = functools.partial(_weigh_slice, A, e, has_input)
-    if e.shape[0] == 1:  # one slice (an unbatched model): no loop
-        return add(0, init)
-    total: Array = jax.lax.fori_loop(0, e.shape[0], add, vary_tree(init, A, e))
+    dtype = jnp.result_type(A, e)
+    if 0 < e.shape[0] <= SHORT_AXIS:
+        a = A[:, None] if has_input else A
+        return short_sum(short_sum(a * e), axis=0).astype(dtype)
+
+    def add(n: Any, acc: Array) -> Array:
+        a = jax.lax.dynamic_index_in_dim(A, n, keepdims=has_input)
+        return acc + short_sum(a * jax.lax.dynamic_index_in_dim(e, n, keepdims=False))
+
+    init = vary_tree(jnp.zeros(e.shape[1:-1], dtype), A, e)
+    total: Array = jax.lax.fori_loop(0, e.shape[0], add, init)
     return total
-
-
-def _weigh_slice(A: Array, e: Array, has_input: bool, n: Any, acc: Array) -> Array:
-    a = A[n][None] if has_input else A[n]
-    return acc + short_sum(a * e[n])
 
 
 # --- per-step ----------------------------------------------------------------------------

@@ -201,6 +201,7 @@ class _Run:
         self.orig.update(zip(b.jaxpr.invars, inputs, strict=True))
         self.envs: dict[Hashable, dict[Var, Any]] = {_CROSSED: {}, _OWN: {}}
         self.blocked: dict[Var, Any] = {}
+        self.totals: dict[Var, Any] = {}
         for v, k in b.hidden_in.items():
             if k in b.direct:
                 self.blocked[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
@@ -262,12 +263,19 @@ class _Run:
     def total(self, v: Var) -> Any:
         """``orig`` plus every effect that reaches `v`. Each effect enters as
         ``e - stop_gradient(e)``: exactly zero in value (so the primal outputs equal the
-        unperturbed step bit for bit) and ``e``'s derivative."""
+        unperturbed step bit for bit) and ``e``'s derivative.
+
+        Formed once per variable: a variable's environments are final once its
+        equation has run (`equation` and `node` write only the equation's outputs)."""
+        done = self.totals.get(v)
+        if done is not None:
+            return done
         value = self.orig[v]
         for env in self.envs.values():
             if v in env:
                 e = env[v] - self.orig[v]
                 value = value + (e - jax.lax.stop_gradient(e))
+        self.totals[v] = value
         return value
 
     def node(self, v: Var) -> None:
