@@ -151,6 +151,33 @@ def test_chunked_equals_per_step(name: str, rule: str) -> None:
         np.testing.assert_allclose(aux_b["losses"], aux_a["losses"], rtol=1e-12)
 
 
+def test_chunks_are_alike_when_a_divisor_allows() -> None:
+    """``chunk_steps`` that leaves a shorter last chunk is lowered to a divisor of the
+    sequence length from half of it up, when there is one: the program then holds one
+    chunk body (the same program as asking for that divisor), and the gradient is the
+    per-step one. Without such a divisor the last chunk stays shorter."""
+    from etrax.algorithms._drivers import _block_length
+
+    assert [_block_length(12, k) for k in (1, 4, 5, 8, 12, 32)] == [1, 4, 4, 6, 12, 32]
+    assert _block_length(11, 5) == 5 and _block_length(11, 2) == 2  # 11 is prime
+    assert _block_length(1000, 32) == 25
+    case = next(c for c in CATALOGUE if c.name == "gru_b2")
+    graph, state, xs, ts = _problem(case, 12)
+    traces = etrax.DRTRL(1).init(graph, state)
+
+    def program(k: int) -> Any:
+        algo = etrax.DRTRL(chunk_steps=k)
+        return jax.make_jaxpr(lambda s: etrax.online_grad(graph, algo, s, traces, xs, ts, mse))(
+            state
+        )
+
+    assert str(program(8)) == str(program(6))
+    assert str(program(8)) != str(program(4))  # the comparison tells block lengths apart
+    per_step, _ = etrax.online_grad(graph, etrax.DRTRL(1), state, traces, xs, ts, mse)
+    chunked, _ = etrax.online_grad(graph, etrax.DRTRL(8), state, traces, xs, ts, mse)
+    assert rel_err(chunked, per_step) <= 1e-12
+
+
 def test_sequences_continue_from_state_and_traces() -> None:
     case = next(c for c in CATALOGUE if c.name == "gru")
     graph, state, xs, ts = _problem(case, 8)

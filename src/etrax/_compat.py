@@ -283,9 +283,7 @@ def define_primitive(
                 full[n] = op
             return impl(*full, **params)
 
-        return jax.jvp(
-            along, tuple(primals[n] for n in live), tuple(tangents[n] for n in live)
-        )
+        return jax.jvp(along, tuple(primals[n] for n in live), tuple(tangents[n] for n in live))
 
     ad.primitive_jvps[prim] = jvp
 

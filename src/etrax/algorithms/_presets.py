@@ -59,7 +59,9 @@ def DRTRL(
 
     - `chunk_steps`: steps the sequence driver re-associates into one fused update (the
       trace is read and written once per chunk; results equal the per-step form).
-      ``1`` runs the per-step form.
+      ``1`` runs the per-step form. At most this many: when it does not divide the
+      sequence length, a divisor from half of it up is used if there is one, so that
+      every chunk is alike and the program is compiled with one chunk body.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     return LearningRule(

@@ -124,7 +124,7 @@ class LearningRule(OnlineAlgorithm[TraceT]):
     - `signal`: `Symmetric()` (default), `RandomFeedback(key)` or `Modulatory()`.
     - `filter`: `NoFilter()` (default) or `Kappa(kappa)` (per-parameter traces only).
     - `chunk_steps`: steps the sequence driver re-associates into one fused update
-      (equal results; ``1`` is the per-step form).
+      (equal results; ``1`` is the per-step form); at most this many, see `DRTRL`.
     - `trace_dtype`: the dtype traces are stored in (e.g. ``"bfloat16"``); the
       recursion and contractions compute in the model's dtype. `None`: the model's.
     - `name`: the name shown in errors and reports (the presets set it).
