@@ -48,10 +48,12 @@ from ._kernels import instant_contribution
 from ._plan import plan_of
 from ._weights import (
     add_param_grads,
+    leaf_grads_to_params,
+    operand_leaf_grads,
     operand_values,
     operands_to_params,
+    use_leaf_grads,
     use_value,
-    uses_to_params,
     zeros_like_params,
 )
 
@@ -339,9 +341,9 @@ def _finish(
     acc_eff: EffGrads,
     acc_uses: list[Array],
 ) -> PathDict[PyTree]:
-    traced = operands_to_params(graph, acc_eff, params, weights)
-    instant = uses_to_params(graph, plan_of(graph).instant_uses, acc_uses, params)
-    return add_param_grads(traced, instant)
+    leaf_grads = operand_leaf_grads(graph, acc_eff, params, weights)
+    use_leaf_grads(graph, plan_of(graph).instant_uses, acc_uses, params, into=leaf_grads)
+    return leaf_grads_to_params(params, leaf_grads)
 
 
 def _zero_uses(graph: ETraceGraph, state: ModelState) -> list[Array]:

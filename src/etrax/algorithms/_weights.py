@@ -18,11 +18,14 @@ from .._typing import Path, PyTree
 from ..compiler import ETraceGraph, ParamUse
 
 __all__ = [
+    "LeafGrads",
     "add_param_grads",
+    "leaf_grads_to_params",
+    "operand_leaf_grads",
     "operand_values",
     "operands_to_params",
+    "use_leaf_grads",
     "use_value",
-    "uses_to_params",
     "zeros_like_params",
 ]
 
@@ -61,15 +64,25 @@ def add_param_grads(a: Mapping[Path, PyTree], b: Mapping[Path, PyTree]) -> PathD
     return PathDict((p, jax.tree.map(jnp.add, v, b[p]) if p in b else v) for p, v in a.items())
 
 
-def operands_to_params(
+LeafGrads = dict[tuple[Path, int], Array]
+"""Gradients keyed by ``(parameter path, leaf index)``; absent leaves are zero."""
+
+
+def _accumulate(into: LeafGrads, keys: Sequence[tuple[Path, int]], grads: Sequence[Array]) -> None:
+    for key, g in zip(keys, grads, strict=True):
+        into[key] = into[key] + g if key in into else g
+
+
+def operand_leaf_grads(
     graph: ETraceGraph,
     eff: Sequence[Mapping[str, Array]],
     params: Mapping[Path, PyTree],
     operands: Sequence[Mapping[str, Array]],
-) -> PathDict[PyTree]:
-    """Pull effective-operand gradients (one dict per relation) back to the parameters."""
-    grads = zeros_like_params(params)
-    leaf_grads: dict[tuple[Path, int], Array] = {}
+    into: LeafGrads | None = None,
+) -> LeafGrads:
+    """Effective-operand gradients (one dict per relation) pulled back to the
+    parameter leaves they come from, summed per leaf (into `into`, if given)."""
+    leaf_grads: LeafGrads = {} if into is None else into
     for rel, g_eff, ops in zip(graph.hidden_param_op_relations, eff, operands, strict=True):
         if not g_eff:
             continue
@@ -87,45 +100,12 @@ def operands_to_params(
                 return value  # type: ignore[no-any-return]
 
             _, vjp = jax.vjp(program, *leaves)
-            for (p, i), g in zip(
-                t.param_leaves, vjp(raw[t.key].astype(ops[t.key].dtype)), strict=True
-            ):
-                leaf_grads[(p, i)] = leaf_grads[(p, i)] + g if (p, i) in leaf_grads else g
-    out = PathDict[PyTree]()
-    for p, v in grads.items():
-        leaves, treedef = jax.tree.flatten(v)
-        new = [leaf_grads.get((p, i), leaf) for i, leaf in enumerate(leaves)]
-        out[p] = jax.tree.unflatten(treedef, new)
-    return out
+            _accumulate(leaf_grads, t.param_leaves, vjp(raw[t.key].astype(ops[t.key].dtype)))
+    return leaf_grads
 
 
-def use_value(graph: ETraceGraph, use: ParamUse, params: Mapping[Path, PyTree]) -> Array:
-    """The weight value `use` reads, from parameter values (through its program)."""
-    leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
-    (value,) = use.program(*_consts(graph, use.consts), *leaves)
-    return value  # type: ignore[no-any-return]
-
-
-def uses_to_params(
-    graph: ETraceGraph,
-    uses: Sequence[ParamUse],
-    grads: Sequence[Array],
-    params: Mapping[Path, PyTree],
-) -> PathDict[PyTree]:
-    """Pull gradients with respect to the weight values that `uses` read back to the
-    parameters (through each use's weight program), summed per leaf."""
-    leaf_grads: dict[tuple[Path, int], Array] = {}
-    for use, g in zip(uses, grads, strict=True):
-        leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
-        consts = _consts(graph, use.consts)
-
-        def program(*ls: Array, _u: ParamUse = use, _c: Sequence[Any] = consts) -> Array:
-            (value,) = _u.program(*_c, *ls)
-            return value  # type: ignore[no-any-return]
-
-        _, vjp = jax.vjp(program, *leaves)
-        for key, lg in zip(use.param_leaves, vjp(g.astype(use.dtype)), strict=True):
-            leaf_grads[key] = leaf_grads[key] + lg if key in leaf_grads else lg
+def leaf_grads_to_params(params: Mapping[Path, PyTree], leaf_grads: LeafGrads) -> PathDict[PyTree]:
+    """Per-leaf gradients as a gradient of `params` (zero where a leaf has none)."""
     out = PathDict[PyTree]()
     for p, v in params.items():
         leaves, treedef = jax.tree.flatten(v)
@@ -135,3 +115,44 @@ def uses_to_params(
         ]
         out[p] = jax.tree.unflatten(treedef, new)
     return out
+
+
+def operands_to_params(
+    graph: ETraceGraph,
+    eff: Sequence[Mapping[str, Array]],
+    params: Mapping[Path, PyTree],
+    operands: Sequence[Mapping[str, Array]],
+) -> PathDict[PyTree]:
+    """Pull effective-operand gradients (one dict per relation) back to the parameters."""
+    return leaf_grads_to_params(params, operand_leaf_grads(graph, eff, params, operands))
+
+
+def use_value(graph: ETraceGraph, use: ParamUse, params: Mapping[Path, PyTree]) -> Array:
+    """The weight value `use` reads, from parameter values (through its program)."""
+    leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
+    (value,) = use.program(*_consts(graph, use.consts), *leaves)
+    return value  # type: ignore[no-any-return]
+
+
+def use_leaf_grads(
+    graph: ETraceGraph,
+    uses: Sequence[ParamUse],
+    grads: Sequence[Array],
+    params: Mapping[Path, PyTree],
+    into: LeafGrads | None = None,
+) -> LeafGrads:
+    """Gradients with respect to the weight values that `uses` read, pulled back to
+    the parameter leaves (through each use's weight program), summed per leaf (into
+    `into`, if given)."""
+    leaf_grads: LeafGrads = {} if into is None else into
+    for use, g in zip(uses, grads, strict=True):
+        leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
+        consts = _consts(graph, use.consts)
+
+        def program(*ls: Array, _u: ParamUse = use, _c: Sequence[Any] = consts) -> Array:
+            (value,) = _u.program(*_c, *ls)
+            return value  # type: ignore[no-any-return]
+
+        _, vjp = jax.vjp(program, *leaves)
+        _accumulate(leaf_grads, use.param_leaves, vjp(g.astype(use.dtype)))
+    return leaf_grads
