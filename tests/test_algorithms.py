@@ -344,23 +344,39 @@ def test_online_grad_compiles_once() -> None:
 Fn = Callable[..., Any]
 
 
-@pytest.mark.parametrize("has_input", [True, False])
+@pytest.mark.parametrize("nb", [1, 4, 9])
 def test_trace_contraction_is_the_same_on_every_backend(
-    has_input: bool, monkeypatch: pytest.MonkeyPatch
+    nb: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The D-RTRL contraction ``Σ_{n,a} A[n,o,a] ε[n,(i,)o,a]`` runs as a slice loop on
-    CPU and as one contraction on accelerators; both forms agree (and with an einsum)."""
+    """The D-RTRL contraction ``Σ_{n,a} A[n,o,a] ε[n,(i,)o,a]``, summed over each
+    group's terms, equals an einsum on every path: additions of the batch slices
+    (``NB ≤ SHORT_AXIS``) or one slice loop for every group (beyond) on CPU, and one
+    contraction per term on accelerators."""
     from etrax.algorithms import _kernels
 
-    keys = jax.random.split(jax.random.PRNGKey(3), 2)
-    A = jax.random.normal(keys[0], (4, 5, 2))
-    e = jax.random.normal(keys[1], (4, 3, 5, 2) if has_input else (4, 5, 2))
-    expected = jnp.einsum("noa,nioa->io" if has_input else "noa,noa->o", A, e)
-    looped = _kernels._weigh(A, e, has_input)
+    def normal(k: int, *shape: int) -> Array:
+        return jax.random.normal(jax.random.PRNGKey(k), shape)
+
+    groups = [  # a weight with an input axis (two terms, as e-prop's), one without
+        [
+            (normal(0, nb, 5, 2), normal(1, nb, 3, 5, 2), True),
+            (normal(2, nb, 5, 2), normal(3, nb, 3, 5, 2), True),
+        ],
+        [(normal(4, nb, 5, 2), normal(5, nb, 5, 2), False)],
+    ]
+    expected = [
+        sum(jnp.einsum("noa,nioa->io" if h else "noa,noa->o", A, e) for A, e, h in group)
+        for group in groups
+    ]
+    eqns = jax.make_jaxpr(lambda: _kernels.weigh_many(groups))().jaxpr.eqns
+    loops = [e for e in eqns if e.primitive.name in ("scan", "while")]
+    assert len(loops) == (1 if nb > _kernels.SHORT_AXIS else 0)  # one loop for all groups
+    on_cpu = _kernels.weigh_many(groups)
     monkeypatch.setattr(_kernels, "SLICE_LOOP_BACKENDS", ())
-    contracted = _kernels._weigh(A, e, has_input)
-    np.testing.assert_allclose(looped, expected, rtol=1e-12)
-    np.testing.assert_allclose(contracted, expected, rtol=1e-12)
+    contracted = _kernels.weigh_many(groups)
+    for got in (on_cpu, contracted):
+        for g, want in zip(got, expected, strict=True):
+            np.testing.assert_allclose(g, want, rtol=1e-12)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 8, 9])

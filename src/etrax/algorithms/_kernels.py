@@ -15,11 +15,12 @@ and gradient ``Σ_a solve(L_t[..., a], ε_t[..., a])``.
 
 import functools
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from .._compat import vary_tree
@@ -112,35 +113,61 @@ def _mix(M: Array, e: Array, has_input: bool) -> Array:
 
 
 SLICE_LOOP_BACKENDS: tuple[str, ...] = ("cpu",)
-"""Backends on which `_weigh` contracts slice by slice (a loop) instead of in one
+"""Backends on which `weigh_many` contracts slice by slice (a loop) instead of in one
 contraction."""
 
 
-def _weigh(A: Array, e: Array, has_input: bool) -> Array:
-    """``Σ_{n,a} A[n, o, a] e[n, (i,) o, a]``.
+Weighing = tuple[Array, Array, bool]
+"""One term ``(A, e, has_input)`` of `weigh_many`: ``A (NB, O, S)`` and the trace
+``e (NB, (I,) O, S)``."""
 
-    On CPU, accumulated one batch slice at a time: XLA's CPU reductions over a major
-    axis of a large array are an order of magnitude slower than this loop, which
-    reads the trace once. Up to `SHORT_AXIS` slices are summed without a loop
-    (`short_sum`: one element-wise fusion, and a much smaller program to compile). On accelerators,
-    where each loop iteration is a kernel launch and the reduction is fast, one
-    contraction.
+
+def _weigh_slice(A: Array, e: Array, has_input: bool, n: Any) -> Array:
+    a = jax.lax.dynamic_index_in_dim(A, n, keepdims=has_input)
+    return short_sum(a * jax.lax.dynamic_index_in_dim(e, n, keepdims=False))
+
+
+def weigh_many(groups: Sequence[Sequence[Weighing]]) -> list[Array]:
+    """For each group of terms, ``Σ_terms Σ_{n,a} A[n, o, a] e[n, (i,) o, a]`` (the
+    terms of a group share the output shape; every term shares the batch ``NB``).
+
+    On CPU, accumulated one batch slice at a time, every group in one loop: XLA's CPU
+    reductions over a major axis of a large array are an order of magnitude slower
+    than this loop, which reads each trace once. Up to `SHORT_AXIS` slices are summed
+    without a loop (`short_sum`: element-wise fusions, and a much smaller program to
+    compile). On accelerators, where each loop iteration is a kernel launch and the
+    reduction is fast, one contraction per term.
     """
-    if jax.default_backend() not in SLICE_LOOP_BACKENDS:
-        spec = "noa,nioa->io" if has_input else "noa,noa->o"
-        return jnp.einsum(spec, A, e.astype(jnp.result_type(A, e)))
-    dtype = jnp.result_type(A, e)
-    if 0 < e.shape[0] <= SHORT_AXIS:
-        a = A[:, None] if has_input else A
-        return short_sum(short_sum(a * e), axis=0).astype(dtype)
+    on_cpu = jax.default_backend() in SLICE_LOOP_BACKENDS
 
-    def add(n: Any, acc: Array) -> Array:
-        a = jax.lax.dynamic_index_in_dim(A, n, keepdims=has_input)
-        return acc + short_sum(a * jax.lax.dynamic_index_in_dim(e, n, keepdims=False))
+    def dtype(group: Sequence[Weighing]) -> Any:
+        return jnp.result_type(*(x for A, e, _ in group for x in (A, e)))
 
-    init = vary_tree(jnp.zeros(e.shape[1:-1], dtype), A, e)
-    total: Array = jax.lax.fori_loop(0, e.shape[0], add, init)
-    return total
+    def direct(group: Sequence[Weighing]) -> Array:
+        parts = []
+        for A, e, has_input in group:
+            if on_cpu:
+                a = A[:, None] if has_input else A
+                parts.append(short_sum(short_sum(a * e), axis=0))
+            else:
+                spec = "noa,nioa->io" if has_input else "noa,noa->o"
+                parts.append(jnp.einsum(spec, A, e.astype(jnp.result_type(A, e))))
+        return functools.reduce(operator.add, parts).astype(dtype(group))
+
+    sizes = {e.shape[0] for group in groups for _, e, _ in group}
+    if not on_cpu or max(sizes, default=0) <= SHORT_AXIS:
+        return [direct(group) for group in groups]
+    (count,) = sizes
+
+    def add(n: Any, accs: tuple[Array, ...]) -> tuple[Array, ...]:
+        return tuple(
+            acc + functools.reduce(operator.add, (_weigh_slice(A, e, h, n) for A, e, h in group))
+            for acc, group in zip(accs, groups, strict=True)
+        )
+
+    operands = [x for group in groups for A, e, _ in group for x in (A, e)]
+    init = tuple(jnp.zeros(group[0][1].shape[1:-1], dtype(group)) for group in groups)
+    return list(jax.lax.fori_loop(0, count, add, vary_tree(init, *operands)))
 
 
 # --- per-step ----------------------------------------------------------------------------
@@ -211,12 +238,13 @@ def drtrl_solve(
     """Effective-operand gradient ``Σ_a solve(L[..., a], ε[..., a])`` of one slot."""
     if slot.factorized:
         Lc = _canon_out(slot, L, 1)
-        out = {}
-        for k in slot.keys:
-            e = _canon_trace(slot, k, eps[k])
-            g = _weigh(Lc, e, slot.inputs[k] is not None)
-            out[k] = g.reshape(_weight_shape(slot, k))
-        return out
+        terms = [
+            [(Lc, _canon_trace(slot, k, eps[k]), slot.inputs[k] is not None)] for k in slot.keys
+        ]
+        return {
+            k: g.reshape(_weight_shape(slot, k))
+            for k, g in zip(slot.keys, weigh_many(terms), strict=True)
+        }
     rules = slot.rules
 
     def one(e: Trace, sig: Array) -> Trace:
@@ -281,6 +309,12 @@ def drtrl_chunk(
     return new_eps, grads
 
 
+def _decay_matrix(K: int, kappa: float, dtype: Any) -> Array:
+    """``M[k, j] = κ^{j-k}`` for ``j ≥ k``, else 0 (``K × K``)."""
+    lag = np.arange(K)[None, :] - np.arange(K)[:, None]
+    return jnp.asarray(np.where(lag >= 0, float(kappa) ** np.maximum(lag, 0), 0.0), dtype)
+
+
 def drtrl_chunk_filtered(
     slot: Slot,
     eps: Trace,
@@ -315,12 +349,9 @@ def drtrl_chunk_filtered(
         Lc = Lc + jnp.concatenate([Nc[1:], jnp.zeros_like(Nc[:1])], axis=0)
     edge = None  # the signal on the filtered trace carried in
     if kappa is not None:
-
-        def low_pass(acc: Array, L_k: Array) -> tuple[Array, Array]:
-            acc = L_k + kappa * acc
-            return acc, acc
-
-        _, Lc = jax.lax.scan(low_pass, vary_tree(jnp.zeros_like(Lc[0]), Lc), Lc, reverse=True)
+        # L̃_k = Σ_{j ≥ k} κ^{j-k} L_j: one product with a triangular decay matrix
+        # (K × K, constant) instead of a reverse loop over the chunk
+        Lc = jnp.tensordot(_decay_matrix(K, kappa, Lc.dtype), Lc, axes=1)
         edge = kappa * Lc[0] if N0 is None else kappa * Lc[0] + N0
         N0 = None  # with the filter, N_0 reads the filtered trace carried in
     eye = jnp.broadcast_to(jnp.eye(S, dtype=dfc.dtype), Dc.shape[1:])
@@ -355,23 +386,28 @@ def drtrl_chunk_filtered(
     us = None if xs is None else jax.vmap(lambda v: _factors(slot, v))(xs)
     new_eps: Trace = {}
     new_filt: Trace = {}
-    grads: Trace = {}
+    fresh_grads: list[Array] = []
+    terms: list[list[Weighing]] = []  # the carried traces' part, weighed in one loop
     for k in slot.keys:
         e0 = _canon_trace(slot, k, eps[k])
         u = None if us is None else us[k]
         has_u = u is not None
+        terms.append([(A, e0, has_u)])
         if u is None:
-            g = _weigh(A, e0, False) + jnp.sum(W, axis=(0, 1))
+            fresh_grads.append(jnp.sum(W, axis=(0, 1)))
             eK = _mix(P, e0, False) + jnp.sum(R, axis=0)
         else:
-            g = _weigh(A, e0, True) + jnp.einsum("kni,kno->io", u, W)
+            fresh_grads.append(jnp.einsum("kni,kno->io", u, W))
             eK = _mix(P, e0, True) + jnp.einsum("kni,knoa->nioa", u, R)
         if filtered is not None and kappa is not None and edge is not None:
             f0 = _canon_trace(slot, k, filtered[k])
-            g = g + _weigh(edge, f0, has_u)
+            terms[-1].append((edge, f0, has_u))
             fresh = jnp.sum(Rf, axis=0) if u is None else jnp.einsum("kni,knoa->nioa", u, Rf)
             fK = kappa**K * f0 + _mix(Pf, e0, has_u) + fresh
             new_filt[k] = fK.reshape(filtered[k].shape).astype(filtered[k].dtype)
-        grads[k] = g.reshape(_weight_shape(slot, k))
         new_eps[k] = eK.reshape(eps[k].shape).astype(eps[k].dtype)
+    grads: Trace = {
+        k: (carried + fresh_g).reshape(_weight_shape(slot, k))
+        for k, carried, fresh_g in zip(slot.keys, weigh_many(terms), fresh_grads, strict=True)
+    }
     return new_eps, grads, (new_filt if filtered is not None else None)
