@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from ..compiler import ETraceGraph
@@ -52,9 +54,16 @@ class SyntheticGradient(eqx.Module):
         `dtype` (default: JAX's default float)."""
         dt = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
         shapes = [_features(graph, g.index) for g in graph.hidden_groups]
+
+        def zeros(shape: tuple[int, ...]) -> Array:
+            # NumPy zeros placed on the device: eager `jnp.zeros` compiles a small XLA
+            # program for every new shape
+            placed: Array = jax.device_put(np.zeros(shape, dt))
+            return placed
+
         return SyntheticGradient(
-            tuple(jnp.zeros((h, s, h, s), dt) for h, s in shapes),
-            tuple(jnp.zeros((h, s), dt) for h, s in shapes),
+            tuple(zeros((h, s, h, s)) for h, s in shapes),
+            tuple(zeros((h, s)) for h, s in shapes),
         )
 
     def predict(self, graph: ETraceGraph, slabs: Sequence[Array]) -> tuple[Array, ...]:

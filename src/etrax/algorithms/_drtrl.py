@@ -15,8 +15,9 @@ from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, Kappa, Sparse
 from ._base import EffGrads, Weights, add_into, scan_chunk
 from ._kernels import (
+    ChunkBackward,
+    chunk_backward,
     drtrl_chunk,
-    drtrl_chunk_filtered,
     drtrl_init,
     drtrl_solve,
     drtrl_update,
@@ -73,6 +74,29 @@ def _solve_eps(
     return tuple(out)
 
 
+class _Backwards:
+    """Each group's `ChunkBackward`, formed once, when a slot first asks for it: the
+    slots of one group share its backward pass over the chunk."""
+
+    def __init__(
+        self,
+        jacs: StepJacobians,
+        signals: Sequence[Array],
+        olds: Sequence[Array] | None,
+        kappa: float | None = None,
+    ) -> None:
+        self.jacs, self.signals, self.olds, self.kappa = jacs, signals, olds, kappa
+        self.done: dict[int, ChunkBackward] = {}
+
+    def __getitem__(self, group: int) -> ChunkBackward:
+        if group not in self.done:
+            N = None if self.olds is None else self.olds[group]
+            self.done[group] = chunk_backward(
+                self.jacs.D[group], self.signals[group], N, self.kappa
+            )
+        return self.done[group]
+
+
 def _chunk_filtered(
     graph: ETraceGraph,
     traces: ParamTraces,
@@ -87,17 +111,16 @@ def _chunk_filtered(
     eps: list[dict[str, Array]] = []
     filtered: list[dict[str, Array]] = []
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+    backs = _Backwards(jacs, signals, olds, kappa)
     for slot, e, f in zip(plan.slots, traces.eps, traces.filtered, strict=True):
-        e_new, g, f_new = drtrl_chunk_filtered(
+        e_new, g, f_new = drtrl_chunk(
             slot,
             e,
-            f,
-            kappa,
             jacs.x[slot.relation],
             jacs.df[slot.relation][slot.tail],
-            jacs.D[slot.group],
-            signals[slot.group],
-            None if olds is None else olds[slot.group],
+            backs[slot.group],
+            f,
+            kappa,
         )
         assert f_new is not None
         eps.append(e_new)
@@ -118,6 +141,7 @@ def _chunk_eps(
     plan = plan_of(graph)
     new: list[dict[str, Array]] = []
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+    backs = _Backwards(jacs, signals, olds)
     for slot, e in zip(plan.slots, eps, strict=True):
         x = jacs.x[slot.relation]
         df = jacs.df[slot.relation][slot.tail]
@@ -125,7 +149,7 @@ def _chunk_eps(
         L = signals[slot.group]
         N = None if olds is None else olds[slot.group]
         if slot.factorized:
-            e_new, g = drtrl_chunk(slot, e, x, df, D, L, N)
+            e_new, g, _ = drtrl_chunk(slot, e, x, df, backs[slot.group])
         else:
 
             def body(carry: Any, inp: Any, _slot: Any = slot) -> Any:

@@ -16,7 +16,7 @@ and gradient ``Σ_a solve(L_t[..., a], ε_t[..., a])``.
 import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,8 @@ from .._compat import vary_tree
 from ._plan import Slot
 
 __all__ = [
+    "ChunkBackward",
+    "chunk_backward",
     "drtrl_chunk",
     "drtrl_init",
     "drtrl_solve",
@@ -284,106 +286,131 @@ def _matmul(M: Array, N: Array) -> Array:
     return short_sum(M[..., :, :, None] * N[..., None, :, :], axis=-2)
 
 
-def drtrl_chunk(
-    slot: Slot,
-    eps: Trace,
-    xs: Array | None,
-    dfs: Array,
-    Ds: Array,
-    Ls: Array,
-    Ns: Array | None = None,
-) -> tuple[Trace, Trace]:
-    """K steps of the fused recursion at once.
-
-    With ``Q_k = D_{K-1} ⋯ D_{k+1}``, ``G_k = L_k + D_{k+1}^T G_{k+1}``:
-
-    - ``ε_K = (Q_0 D_0) ε_0 + Σ_k u_k ⊗ (Q_k df_k)``;
-    - ``Σ_k Σ_a L_k ε_k = ⟨D_0^T G_0, ε_0⟩ + Σ_k u_k ⊗ ⟨df_k, G_k⟩``;
-
-    so ``ε`` is read and written once per chunk and the per-step terms become
-    (batched) matrix products. Equal to K applications of the per-step form.
-    With `Ns` (signals on the *old* hidden values, ``Σ_k N_k ε_{k-1}``), step ``k``'s
-    signal gains ``N_{k+1}`` and ``ε_0`` is contracted with ``N_0`` too.
-    """
-    new_eps, grads, _ = drtrl_chunk_filtered(slot, eps, None, None, xs, dfs, Ds, Ls, Ns)
-    return new_eps, grads
-
-
 def _decay_matrix(K: int, kappa: float, dtype: Any) -> Array:
     """``M[k, j] = κ^{j-k}`` for ``j ≥ k``, else 0 (``K × K``)."""
     lag = np.arange(K)[None, :] - np.arange(K)[:, None]
     return jnp.asarray(np.where(lag >= 0, float(kappa) ** np.maximum(lag, 0), 0.0), dtype)
 
 
-def drtrl_chunk_filtered(
-    slot: Slot,
-    eps: Trace,
-    filtered: Trace | None,
-    kappa: float | None,
-    xs: Array | None,
-    dfs: Array,
-    Ds: Array,
-    Ls: Array,
-    Ns: Array | None = None,
-) -> tuple[Trace, Trace, Trace | None]:
-    """`drtrl_chunk`, optionally with e-prop's filter ``ē_k = κ ē_{k-1} + ε_k`` (`kappa`
-    and the filtered traces `filtered`), whose ``ē`` the signals are contracted with.
+class ChunkBackward(NamedTuple):
+    """A chunk's backward pass for one hidden group, shared by every slot of the
+    group (positions flattened: ``P`` is the size of the group's varshape).
 
-    The filter is folded into the signals: ``Σ_k ⟨L_k, ē_k⟩ = ⟨κ L̃_0, ē_{-1}⟩ +
-    Σ_j ⟨L̃_j, ε_j⟩`` with the reverse-filtered ``L̃_j = L_j + κ L̃_{j+1}`` (so the
-    unfiltered chunk formula applies to ``L̃``), and the new filtered trace is
-    ``ē_{K-1} = κ^K ē_{-1} + Σ_j κ^{K-1-j} ε_j = κ^K ē_{-1} + (P̃_0 D_0) ε_0 +
-    Σ_k u_k ⊗ (P̃_k df_k)`` with ``P̃_k = κ^{K-1-k} + P̃_{k+1} D_{k+1}``: one more
-    mixing product and one more stacked product than the unfiltered chunk, both per
-    chunk. Equal to K steps of the per-step filter.
+    With ``Q_k = D_{K-1} ⋯ D_{k+1}`` and ``G_k = L_k + D_{k+1}^T G_{k+1}``:
+
+    - `A` ``(P, S)``: ``D_0^T G_0`` (plus ``N_0``), the signal on the trace carried in;
+    - `P` ``(P, S, S)``: ``Q_0 D_0``, what multiplies the trace carried in;
+    - `G` ``(K, P, S)`` and `Q` ``(K, P, S, S)``: ``G_k`` and ``Q_k`` of every step;
+    - with e-prop's filter: `Pf` ``(P, S, S)`` (``P̃_0 D_0``), `Pfs` ``(K, P, S, S)``
+      (``P̃_k``) and `edge` ``(P, S)`` (the signal on the filtered trace carried in).
     """
-    S = slot.num_state
-    K = dfs.shape[0]
-    dfc = jax.vmap(lambda a: _canon_out(slot, a, 1))(dfs)  # (K, NB, O, S)
-    Dc = jax.vmap(lambda a: _canon_out(slot, a, 2))(Ds)  # (K, NB, O, S, S)
-    Lc = jax.vmap(lambda a: _canon_out(slot, a, 1))(Ls)
+
+    A: Array
+    P: Array
+    G: Array
+    Q: Array
+    Pf: Array | None = None
+    Pfs: Array | None = None
+    edge: Array | None = None
+
+
+def chunk_backward(
+    Ds: Array, Ls: Array, Ns: Array | None = None, kappa: float | None = None
+) -> ChunkBackward:
+    """The backward pass of a chunk of one group's Jacobians ``Ds (K, *pos, S, S)``
+    and signals ``Ls (K, *pos, S)`` (`ChunkBackward`): one reverse loop over the
+    chunk, whatever the number of weights that feed the group.
+
+    With `Ns` (signals on the *old* hidden values, ``Σ_k N_k ε_{k-1}``), step ``k``'s
+    signal gains ``N_{k+1}`` and ``ε_0`` is contracted with ``N_0`` too. With `kappa`
+    (e-prop's filter ``ē_k = κ ē_{k-1} + ε_k``), the signals are reverse-filtered,
+    ``L̃_j = L_j + κ L̃_{j+1}``, so that the unfiltered chunk formula applies to
+    ``L̃``, and ``P̃_k = κ^{K-1-k} + P̃_{k+1} D_{k+1}`` gives the new filtered trace.
+    """
+    K, S = Ls.shape[0], Ls.shape[-1]
+    Dc = Ds.reshape(K, -1, S, S)
+    Lc = Ls.reshape(K, -1, S)
     N0 = None
     if Ns is not None:
-        Nc = jax.vmap(lambda a: _canon_out(slot, a, 1))(Ns)
+        Nc = Ns.reshape(K, -1, S)
         N0 = Nc[0]
         Lc = Lc + jnp.concatenate([Nc[1:], jnp.zeros_like(Nc[:1])], axis=0)
-    edge = None  # the signal on the filtered trace carried in
+    edge = None
+    filt = kappa is not None
     if kappa is not None:
         # L̃_k = Σ_{j ≥ k} κ^{j-k} L_j: one product with a triangular decay matrix
         # (K × K, constant) instead of a reverse loop over the chunk
         Lc = jnp.tensordot(_decay_matrix(K, kappa, Lc.dtype), Lc, axes=1)
         edge = kappa * Lc[0] if N0 is None else kappa * Lc[0] + N0
         N0 = None  # with the filter, N_0 reads the filtered trace carried in
-    eye = jnp.broadcast_to(jnp.eye(S, dtype=dfc.dtype), Dc.shape[1:])
-
-    filt = kappa is not None
+    eye = jnp.broadcast_to(jnp.eye(S, dtype=Lc.dtype), Dc.shape[1:])
 
     def back(carry: tuple[Array, ...], inp: tuple[Array, ...]) -> Any:
         g_acc, Q, Pf = carry  # D_{k+1}^T G_{k+1}, Q_k, P̃_k (P̃ only with the filter)
-        L_k, D_k, df_k, w_k = inp
+        L_k, D_k, w_k = inp
         G_k = L_k + g_acc
-        R_k = _matvec(Q, df_k)
         g_next = _matvec(jnp.swapaxes(D_k, -1, -2), G_k)
         Q_next = _matmul(Q, D_k)
         if not filt:
-            return (g_next, Q_next, Pf), (G_k, R_k, R_k)
-        Rf_k = _matvec(Pf, df_k)
-        Pf_next = _matmul(Pf, D_k) + w_k * eye
-        return (g_next, Q_next, Pf_next), (G_k, R_k, Rf_k)
+            return (g_next, Q_next, Pf), (G_k, Q, None)
+        return (g_next, Q_next, _matmul(Pf, D_k) + w_k * eye), (G_k, Q, Pf)
 
     # P̃_{K-1} = I and P̃_{k-1} = κ^{K-k} I + P̃_k D_k: stepping back from step k adds
     # κ^{K-k}, except from step 0, whose product P̃_0 D_0 is what multiplies ε_0
-    weights = jnp.zeros((K,), dfc.dtype)
+    weights = jnp.zeros((K,), Lc.dtype)
     if kappa is not None:
         k_idx = jnp.arange(K)
-        power = jnp.asarray(kappa, dfc.dtype) ** (K - k_idx).astype(dfc.dtype)
+        power = jnp.asarray(kappa, Lc.dtype) ** (K - k_idx).astype(Lc.dtype)
         weights = jnp.where(k_idx > 0, power, jnp.zeros_like(power))
-    init = vary_tree((jnp.zeros_like(Lc[0]), eye, eye), Lc, Dc, dfc)
-    (A, P, Pf), (G, R, Rf) = jax.lax.scan(back, init, (Lc, Dc, dfc, weights), reverse=True)
+    init = vary_tree((jnp.zeros_like(Lc[0]), eye, eye), Lc, Dc)
+    (A, P, Pf), (G, Q, Pfs) = jax.lax.scan(back, init, (Lc, Dc, weights), reverse=True)
     if N0 is not None:
         A = A + N0
+    if not filt:
+        return ChunkBackward(A, P, G, Q)
+    return ChunkBackward(A, P, G, Q, Pf, Pfs, edge)
+
+
+def drtrl_chunk(
+    slot: Slot,
+    eps: Trace,
+    xs: Array | None,
+    dfs: Array,
+    back: ChunkBackward,
+    filtered: Trace | None = None,
+    kappa: float | None = None,
+) -> tuple[Trace, Trace, Trace | None]:
+    """K steps of the fused recursion of one slot at once, from its group's
+    `ChunkBackward`:
+
+    - ``ε_K = (Q_0 D_0) ε_0 + Σ_k u_k ⊗ (Q_k df_k)``;
+    - ``Σ_k Σ_a L_k ε_k = ⟨D_0^T G_0, ε_0⟩ + Σ_k u_k ⊗ ⟨df_k, G_k⟩``;
+
+    so ``ε`` is read and written once per chunk and the per-step terms become
+    (batched) matrix products. Equal to K applications of the per-step form.
+
+    With e-prop's filter (`kappa`, the filtered traces `filtered`, and a filtered
+    `back`), the new filtered trace is ``ē_{K-1} = κ^K ē_{-1} + Σ_j κ^{K-1-j} ε_j =
+    κ^K ē_{-1} + (P̃_0 D_0) ε_0 + Σ_k u_k ⊗ (P̃_k df_k)`` and the signal on the
+    filtered trace carried in is ``κ L̃_0``: one more mixing product and one more
+    stacked product than the unfiltered chunk, both per chunk. Equal to K steps of
+    the per-step filter.
+    """
+    S = slot.num_state
+    K = dfs.shape[0]
+    dfc = dfs.reshape(K, slot.nb, slot.out, S)
+    A = _canon_out(slot, back.A, 1)
+    P = _canon_out(slot, back.P, 2)
+    G = back.G.reshape(K, slot.nb, slot.out, S)
+    R = _matvec(back.Q.reshape(K, slot.nb, slot.out, S, S), dfc)  # Q_k df_k
     W = short_sum(dfc * G)  # (K, NB, O)
     us = None if xs is None else jax.vmap(lambda v: _factors(slot, v))(xs)
+    filtering = filtered is not None and kappa is not None and back.Pfs is not None
+    if filtering:
+        assert back.Pf is not None and back.Pfs is not None and back.edge is not None
+        Rf = _matvec(back.Pfs.reshape(K, slot.nb, slot.out, S, S), dfc)  # P̃_k df_k
+        Pf = _canon_out(slot, back.Pf, 2)
+        edge = _canon_out(slot, back.edge, 1)
     new_eps: Trace = {}
     new_filt: Trace = {}
     fresh_grads: list[Array] = []
@@ -399,7 +426,8 @@ def drtrl_chunk_filtered(
         else:
             fresh_grads.append(jnp.einsum("kni,kno->io", u, W))
             eK = _mix(P, e0, True) + jnp.einsum("kni,knoa->nioa", u, R)
-        if filtered is not None and kappa is not None and edge is not None:
+        if filtering:
+            assert filtered is not None and kappa is not None
             f0 = _canon_trace(slot, k, filtered[k])
             terms[-1].append((edge, f0, has_u))
             fresh = jnp.sum(Rf, axis=0) if u is None else jnp.einsum("kni,knoa->nioa", u, Rf)
@@ -410,4 +438,4 @@ def drtrl_chunk_filtered(
         k: (carried + fresh_g).reshape(_weight_shape(slot, k))
         for k, carried, fresh_g in zip(slot.keys, weigh_many(terms), fresh_grads, strict=True)
     }
-    return new_eps, grads, (new_filt if filtered is not None else None)
+    return new_eps, grads, (new_filt if filtering else None)
