@@ -1,7 +1,8 @@
 """The per-parameter trace factorisation (D-RTRL, e-prop): one trace per weight entry
 and hidden state, ``ε ← D ε + x ⊗ df``, contracted with the learning signal."""
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -74,27 +75,21 @@ def _solve_eps(
     return tuple(out)
 
 
-class _Backwards:
-    """Each group's `ChunkBackward`, formed once, when a slot first asks for it: the
-    slots of one group share its backward pass over the chunk."""
+def _backwards(
+    jacs: StepJacobians,
+    signals: Sequence[Array],
+    olds: Sequence[Array] | None,
+    kappa: float | None = None,
+) -> Callable[[int], ChunkBackward]:
+    """Each group's `ChunkBackward`, formed once, when a slot of the group first asks
+    for it: the slots of one group share its backward pass over the chunk."""
 
-    def __init__(
-        self,
-        jacs: StepJacobians,
-        signals: Sequence[Array],
-        olds: Sequence[Array] | None,
-        kappa: float | None = None,
-    ) -> None:
-        self.jacs, self.signals, self.olds, self.kappa = jacs, signals, olds, kappa
-        self.done: dict[int, ChunkBackward] = {}
+    @functools.cache
+    def backward(group: int) -> ChunkBackward:
+        N = None if olds is None else olds[group]
+        return chunk_backward(jacs.D[group], signals[group], N, kappa)
 
-    def __getitem__(self, group: int) -> ChunkBackward:
-        if group not in self.done:
-            N = None if self.olds is None else self.olds[group]
-            self.done[group] = chunk_backward(
-                self.jacs.D[group], self.signals[group], N, self.kappa
-            )
-        return self.done[group]
+    return backward
 
 
 def _chunk_filtered(
@@ -111,14 +106,14 @@ def _chunk_filtered(
     eps: list[dict[str, Array]] = []
     filtered: list[dict[str, Array]] = []
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
-    backs = _Backwards(jacs, signals, olds, kappa)
+    backward = _backwards(jacs, signals, olds, kappa)
     for slot, e, f in zip(plan.slots, traces.eps, traces.filtered, strict=True):
         e_new, g, f_new = drtrl_chunk(
             slot,
             e,
             jacs.x[slot.relation],
             jacs.df[slot.relation][slot.tail],
-            backs[slot.group],
+            backward(slot.group),
             f,
             kappa,
         )
@@ -141,7 +136,7 @@ def _chunk_eps(
     plan = plan_of(graph)
     new: list[dict[str, Array]] = []
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
-    backs = _Backwards(jacs, signals, olds)
+    backward = _backwards(jacs, signals, olds)
     for slot, e in zip(plan.slots, eps, strict=True):
         x = jacs.x[slot.relation]
         df = jacs.df[slot.relation][slot.tail]
@@ -149,7 +144,7 @@ def _chunk_eps(
         L = signals[slot.group]
         N = None if olds is None else olds[slot.group]
         if slot.factorized:
-            e_new, g, _ = drtrl_chunk(slot, e, x, df, backs[slot.group])
+            e_new, g, _ = drtrl_chunk(slot, e, x, df, backward(slot.group))
         else:
 
             def body(carry: Any, inp: Any, _slot: Any = slot) -> Any:
