@@ -5,6 +5,7 @@ If a JAX release moves one of these names, this module is the only one to fix.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -242,6 +243,20 @@ def _output_aval(out: Any) -> Any:
     return jax.core.ShapedArray(out.shape, out.dtype, sharding=out.sharding, manual_axis_type=mat)
 
 
+def _impl_along(
+    impl: Callable[..., jax.Array],
+    primals: Sequence[Any],
+    live: Sequence[int],
+    params: dict[str, Any],
+    *ops: Any,
+) -> Any:
+    """`impl` at `primals` with the operands at positions `live` replaced by `ops`."""
+    full = list(primals)
+    for n, op in zip(live, ops, strict=True):
+        full[n] = op
+    return impl(*full, **params)
+
+
 def define_primitive(
     name: str,
     impl: Callable[..., jax.Array],
@@ -276,13 +291,7 @@ def define_primitive(
         if not live:  # JAX calls a JVP rule with at least one tangent: kept for safety
             tangents = [ad.instantiate_zeros(t) for t in tangents]  # type: ignore[no-untyped-call]
             live = list(range(len(tangents)))
-
-        def along(*ops: Any) -> Any:
-            full = list(primals)
-            for n, op in zip(live, ops, strict=True):
-                full[n] = op
-            return impl(*full, **params)
-
+        along = functools.partial(_impl_along, impl, primals, live, params)
         return jax.jvp(along, tuple(primals[n] for n in live), tuple(tangents[n] for n in live))
 
     ad.primitive_jvps[prim] = jvp

@@ -64,18 +64,19 @@ def add_into(acc: dict[str, Array], grads: Mapping[str, Array]) -> None:
         acc[k] = acc[k] + v if k in acc else v
 
 
+def _signed_add(x: Array, y: Array, sign: float) -> Array:
+    if sign == 1.0:
+        return x + y
+    if sign == -1.0:
+        return x - y
+    return x + sign * y
+
+
 def add_eff(a: EffGrads, b: EffGrads, sign: float = 1.0) -> EffGrads:
     """``a + sign · b``, relation by relation (keys missing from `b` kept as in `a`)."""
-
-    def term(x: Array, y: Array) -> Array:
-        if sign == 1.0:
-            return x + y
-        if sign == -1.0:
-            return x - y
-        return x + sign * y
-
     return tuple(
-        {k: term(x[k], y[k]) if k in y else x[k] for k in x} for x, y in zip(a, b, strict=True)
+        {k: _signed_add(x[k], y[k], sign) if k in y else x[k] for k in x}
+        for x, y in zip(a, b, strict=True)
     )
 
 

@@ -2,6 +2,7 @@
 sequence length) and `bptt_grad` (exact backpropagation through time)."""
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import (
     TYPE_CHECKING,
@@ -173,6 +174,23 @@ class BPTTResult(NamedTuple):
 # --- one step with the learning signal and the instantaneous gradient --------------------
 
 
+def _perturbed_outputs(
+    graph: ETraceGraph,
+    flat: list[Array],
+    perturbs: list[Array],
+    olds: list[Array],
+    deltas: list[Array],
+    eps: list[Array],
+) -> Any:
+    """The perturbed step's output and, as auxiliary data, its hidden, other and
+    hoisted outputs and the operands of its instant equations."""
+    hp = graph.hidden_perturb
+    assert hp is not None
+    outs, operands = hp.eval_with_operands(flat, perturbs, olds, deltas, eps or None)
+    out, hidden, other, hoisted = graph.module_info.split_outputs(outs)
+    return out, (hidden, other, hoisted, operands)
+
+
 def _step_grads(
     graph: ETraceGraph,
     state: ModelState,
@@ -199,16 +217,10 @@ def _step_grads(
     (zero) and the step returns what forms them later instead (`Deferred`): the
     equations' operands and output cotangents, to be contracted over stacked steps
     by `_deferred_use_grads`."""
-    mi = graph.module_info
     hp = graph.hidden_perturb
     assert hp is not None
     flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
-
-    def f(perturbs: list[Array], olds: list[Array], deltas: list[Array], eps: list[Array]) -> Any:
-        outs, operands = hp.eval_with_operands(flat, perturbs, olds, deltas, eps or None)
-        out, hidden, other, hoisted = mi.split_outputs(outs)
-        return out, (hidden, other, hoisted, operands)
-
+    f = functools.partial(_perturbed_outputs, graph, flat)
     zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
     deltas = _zero_uses(graph, state)
     eps = hp.init_eps_data() if defer else []
@@ -285,6 +297,22 @@ def _deferred_use_grads(
     return out
 
 
+def _equation_at(
+    eqn: Any, slot: int, inputs: list[Array | None], w: Array, *per_step: Array
+) -> Any:
+    it = iter(per_step)
+    ins = [next(it) if v is None else v for v in inputs]
+    ins[slot] = w
+    return bind_equation(eqn, ins)
+
+
+def _mapped_equation(
+    eqn: Any, slot: int, inputs: list[Array | None], stacked: list[Array], steps: int, w: Array
+) -> Any:
+    one = functools.partial(_equation_at, eqn, slot, inputs, w)
+    return jax.vmap(one, axis_size=steps)(*stacked)
+
+
 def _stacked_use_grad(
     eqn: Any,
     slot: int,
@@ -299,16 +327,7 @@ def _stacked_use_grad(
     and the batch together, exactly the sum of the per-step VJPs. `inputs` holds the
     fixed operands (`None` where a stacked one goes); an equation of fixed operands
     alone (weights and literals) is mapped over `steps` all the same."""
-
-    def apply(w: Array) -> Any:
-        def one(*per_step: Array) -> Any:
-            it = iter(per_step)
-            ins = [next(it) if v is None else v for v in inputs]
-            ins[slot] = w
-            return bind_equation(eqn, ins)
-
-        return jax.vmap(one, axis_size=steps)(*stacked)
-
+    apply = functools.partial(_mapped_equation, eqn, slot, inputs, stacked, steps)
     _, vjp = jax.vjp(apply, weight)
     (g,) = vjp(cots)
     return g  # type: ignore[no-any-return]
@@ -360,11 +379,11 @@ def _with_aux(loss_fn: LossFn | AuxLossFn[Any], has_aux: bool) -> AuxLossFn[Any]
     """`loss_fn` as a loss that returns ``(loss, aux)`` (``aux`` `None` without one)."""
     if has_aux:
         return loss_fn  # type: ignore[return-value]  # has_aux says which it is
+    return functools.partial(_without_aux, loss_fn)  # type: ignore[arg-type]  # see above
 
-    def plain(y: PyTree, target: PyTree) -> tuple[Array, PyTree]:
-        return loss_fn(y, target), None  # type: ignore[return-value]  # see above
 
-    return plain
+def _without_aux(loss_fn: LossFn, y: PyTree, target: PyTree) -> tuple[Array, PyTree]:
+    return loss_fn(y, target), None
 
 
 # --- online, per step or chunked ------------------------------------------------------------
@@ -648,11 +667,12 @@ def _cast_sequence(graph: ETraceGraph, xs: Any) -> Any:
 def _step_structs(seq: Any) -> Any:
     """Shape/dtype structs of one step's slice of a sequence (no device work)."""
 
-    def one(a: Any) -> jax.ShapeDtypeStruct:
-        shape, dtype = shape_dtype(a)
-        return shape_struct(shape[1:], dtype)
+    return jax.tree.map(_step_struct, seq)
 
-    return jax.tree.map(one, seq)
+
+def _step_struct(a: Any) -> jax.ShapeDtypeStruct:
+    shape, dtype = shape_dtype(a)
+    return shape_struct(shape[1:], dtype)
 
 
 def _fits_targets_like(loss_fn: LossFn | AuxLossFn[Any], y: Any) -> bool:

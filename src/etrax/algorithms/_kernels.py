@@ -129,6 +129,31 @@ def _weigh_slice(A: Array, e: Array, has_input: bool, n: Any) -> Array:
     return short_sum(a * jax.lax.dynamic_index_in_dim(e, n, keepdims=False))
 
 
+def _group_dtype(group: Sequence[Weighing]) -> Any:
+    return jnp.result_type(*(x for A, e, _ in group for x in (A, e)))
+
+
+def _weigh_direct(group: Sequence[Weighing], on_cpu: bool) -> Array:
+    parts = []
+    for A, e, has_input in group:
+        if on_cpu:
+            a = A[:, None] if has_input else A
+            parts.append(short_sum(short_sum(a * e), axis=0))
+        else:
+            spec = "noa,nioa->io" if has_input else "noa,noa->o"
+            parts.append(jnp.einsum(spec, A, e.astype(jnp.result_type(A, e))))
+    return functools.reduce(operator.add, parts).astype(_group_dtype(group))
+
+
+def _weigh_step(
+    groups: Sequence[Sequence[Weighing]], n: Any, accs: tuple[Array, ...]
+) -> tuple[Array, ...]:
+    return tuple(
+        acc + functools.reduce(operator.add, (_weigh_slice(A, e, h, n) for A, e, h in group))
+        for acc, group in zip(accs, groups, strict=True)
+    )
+
+
 def weigh_many(groups: Sequence[Sequence[Weighing]]) -> list[Array]:
     """For each group of terms, ``Σ_terms Σ_{n,a} A[n, o, a] e[n, (i,) o, a]`` (the
     terms of a group share the output shape; every term shares the batch ``NB``).
@@ -141,35 +166,14 @@ def weigh_many(groups: Sequence[Sequence[Weighing]]) -> list[Array]:
     reduction is fast, one contraction per term.
     """
     on_cpu = jax.default_backend() in SLICE_LOOP_BACKENDS
-
-    def dtype(group: Sequence[Weighing]) -> Any:
-        return jnp.result_type(*(x for A, e, _ in group for x in (A, e)))
-
-    def direct(group: Sequence[Weighing]) -> Array:
-        parts = []
-        for A, e, has_input in group:
-            if on_cpu:
-                a = A[:, None] if has_input else A
-                parts.append(short_sum(short_sum(a * e), axis=0))
-            else:
-                spec = "noa,nioa->io" if has_input else "noa,noa->o"
-                parts.append(jnp.einsum(spec, A, e.astype(jnp.result_type(A, e))))
-        return functools.reduce(operator.add, parts).astype(dtype(group))
-
     sizes = {e.shape[0] for group in groups for _, e, _ in group}
     if not on_cpu or max(sizes, default=0) <= SHORT_AXIS:
-        return [direct(group) for group in groups]
+        return [_weigh_direct(group, on_cpu) for group in groups]
     (count,) = sizes
-
-    def add(n: Any, accs: tuple[Array, ...]) -> tuple[Array, ...]:
-        return tuple(
-            acc + functools.reduce(operator.add, (_weigh_slice(A, e, h, n) for A, e, h in group))
-            for acc, group in zip(accs, groups, strict=True)
-        )
-
     operands = [x for group in groups for A, e, _ in group for x in (A, e)]
-    init = tuple(jnp.zeros(group[0][1].shape[1:-1], dtype(group)) for group in groups)
-    return list(jax.lax.fori_loop(0, count, add, vary_tree(init, *operands)))
+    init = tuple(jnp.zeros(group[0][1].shape[1:-1], _group_dtype(group)) for group in groups)
+    step = functools.partial(_weigh_step, groups)
+    return list(jax.lax.fori_loop(0, count, step, vary_tree(init, *operands)))
 
 
 # --- per-step ----------------------------------------------------------------------------
@@ -314,6 +318,18 @@ class ChunkBackward(NamedTuple):
     edge: Array | None = None
 
 
+def _back_step(eye: Array | None, carry: tuple[Array, ...], inp: tuple[Array, ...]) -> Any:
+    """One step back through a chunk (`chunk_backward`); `eye` only with the filter."""
+    g_acc, Q, Pf = carry  # D_{k+1}^T G_{k+1}, Q_k, P̃_k (P̃ only with the filter)
+    L_k, D_k, w_k = inp
+    G_k = L_k + g_acc
+    g_next = _matvec(jnp.swapaxes(D_k, -1, -2), G_k)
+    Q_next = _matmul(Q, D_k)
+    if eye is None:
+        return (g_next, Q_next, Pf), (G_k, Q, None)
+    return (g_next, Q_next, _matmul(Pf, D_k) + w_k * eye), (G_k, Q, Pf)
+
+
 def chunk_backward(
     Ds: Array, Ls: Array, Ns: Array | None = None, kappa: float | None = None
 ) -> ChunkBackward:
@@ -345,16 +361,6 @@ def chunk_backward(
         N0 = None  # with the filter, N_0 reads the filtered trace carried in
     eye = jnp.broadcast_to(jnp.eye(S, dtype=Lc.dtype), Dc.shape[1:])
 
-    def back(carry: tuple[Array, ...], inp: tuple[Array, ...]) -> Any:
-        g_acc, Q, Pf = carry  # D_{k+1}^T G_{k+1}, Q_k, P̃_k (P̃ only with the filter)
-        L_k, D_k, w_k = inp
-        G_k = L_k + g_acc
-        g_next = _matvec(jnp.swapaxes(D_k, -1, -2), G_k)
-        Q_next = _matmul(Q, D_k)
-        if not filt:
-            return (g_next, Q_next, Pf), (G_k, Q, None)
-        return (g_next, Q_next, _matmul(Pf, D_k) + w_k * eye), (G_k, Q, Pf)
-
     # P̃_{K-1} = I and P̃_{k-1} = κ^{K-k} I + P̃_k D_k: stepping back from step k adds
     # κ^{K-k}, except from step 0, whose product P̃_0 D_0 is what multiplies ε_0
     weights = jnp.zeros((K,), Lc.dtype)
@@ -363,6 +369,7 @@ def chunk_backward(
         power = jnp.asarray(kappa, Lc.dtype) ** (K - k_idx).astype(Lc.dtype)
         weights = jnp.where(k_idx > 0, power, jnp.zeros_like(power))
     init = vary_tree((jnp.zeros_like(Lc[0]), eye, eye), Lc, Dc)
+    back = functools.partial(_back_step, eye if filt else None)
     (A, P, Pf), (G, Q, Pfs) = jax.lax.scan(back, init, (Lc, Dc, weights), reverse=True)
     if N0 is not None:
         A = A + N0

@@ -173,11 +173,9 @@ class InputOutput(TraceFactorisation[IOTraces]):
         ex = traces.x[slot.relation]
         rules = slot.rules
         w = weights[slot.relation]
-
-        def one(sig: Array) -> Any:
-            return rules.contract(ex, sig, w, slot.params)
-
-        out: dict[str, Array] = map_extra(slot, one, (m,), reduce=True)
+        out: dict[str, Array] = map_extra(
+            slot, lambda sig: rules.contract(ex, sig, w, slot.params), (m,), reduce=True
+        )
         return out
 
     def eff_grads(

@@ -8,6 +8,7 @@ class.
 """
 
 import abc
+import functools
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -92,15 +93,15 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
         """`OnlineAlgorithm.chunk` for this factorisation."""
 
 
+def _cast_leaf(a: Any, dtype: Any) -> Any:
+    if a is None or not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+        return a
+    return a.astype(dtype)
+
+
 def _cast(tree: Any, dtype: Any) -> Any:
     """Every floating leaf of `tree` in `dtype` (integer counters unchanged)."""
-
-    def one(a: Any) -> Any:
-        if a is None or not jnp.issubdtype(jnp.result_type(a), jnp.floating):
-            return a
-        return a.astype(dtype)
-
-    return jax.tree.map(one, tree)
+    return jax.tree.map(functools.partial(_cast_leaf, dtype=dtype), tree)
 
 
 # the default coordinates (immutable Modules, shared)

@@ -6,7 +6,8 @@ the VJP of that program (and of the op's own ``weight_fn``, through `chain`).
 Both maps are linear and constant over a sequence, so they are applied once.
 """
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -73,6 +74,12 @@ def _accumulate(into: LeafGrads, keys: Sequence[tuple[Path, int]], grads: Sequen
         into[key] = into[key] + g if key in into else g
 
 
+def _run_program(program: Callable[..., Any], consts: Sequence[Any], *leaves: Array) -> Array:
+    """The single value a weight program computes from its constants and leaves."""
+    (value,) = program(*consts, *leaves)
+    return value  # type: ignore[no-any-return]
+
+
 def operand_leaf_grads(
     graph: ETraceGraph,
     eff: Sequence[Mapping[str, Array]],
@@ -93,12 +100,7 @@ def operand_leaf_grads(
             if t.key not in raw:
                 continue
             leaves = [_leaf(params, p, i) for p, i in t.param_leaves]
-            consts = _consts(graph, t.consts)
-
-            def program(*ls: Array, _t: Any = t, _c: Any = consts) -> Array:
-                (value,) = _t.program(*_c, *ls)
-                return value  # type: ignore[no-any-return]
-
+            program = functools.partial(_run_program, t.program, _consts(graph, t.consts))
             _, vjp = jax.vjp(program, *leaves)
             _accumulate(leaf_grads, t.param_leaves, vjp(raw[t.key].astype(ops[t.key].dtype)))
     return leaf_grads
@@ -130,8 +132,7 @@ def operands_to_params(
 def use_value(graph: ETraceGraph, use: ParamUse, params: Mapping[Path, PyTree]) -> Array:
     """The weight value `use` reads, from parameter values (through its program)."""
     leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
-    (value,) = use.program(*_consts(graph, use.consts), *leaves)
-    return value  # type: ignore[no-any-return]
+    return _run_program(use.program, _consts(graph, use.consts), *leaves)
 
 
 def use_leaf_grads(
@@ -147,12 +148,7 @@ def use_leaf_grads(
     leaf_grads: LeafGrads = {} if into is None else into
     for use, g in zip(uses, grads, strict=True):
         leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
-        consts = _consts(graph, use.consts)
-
-        def program(*ls: Array, _u: ParamUse = use, _c: Sequence[Any] = consts) -> Array:
-            (value,) = _u.program(*_c, *ls)
-            return value  # type: ignore[no-any-return]
-
+        program = functools.partial(_run_program, use.program, _consts(graph, use.consts))
         _, vjp = jax.vjp(program, *leaves)
         _accumulate(leaf_grads, use.param_leaves, vjp(g.astype(use.dtype)))
     return leaf_grads

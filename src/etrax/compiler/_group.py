@@ -8,6 +8,7 @@ positions apart is *checked* (not assumed) and recorded in
 `HiddenGroup.is_diagonal_recurrence`.
 """
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,15 +121,15 @@ class HiddenGroup(eqx.Module):
     def transition_fn(self, consts: Sequence[Array]) -> Any:
         """The map ``slab(h^{t-1}) -> slab(h^t)`` with the constants bound."""
 
-        def fn(slab: Array) -> Array:
-            outs = self.transition(*consts, *self.split_hidden(slab))
-            outs = [
-                jnp.broadcast_to(jnp.asarray(o, slab.dtype), shape)
-                for o, shape in zip(outs, self._member_shapes(), strict=True)
-            ]
-            return self.concat_hidden(outs)
+        return functools.partial(self._transition_at, consts)
 
-        return fn
+    def _transition_at(self, consts: Sequence[Array], slab: Array) -> Array:
+        outs = self.transition(*consts, *self.split_hidden(slab))
+        outs = [
+            jnp.broadcast_to(jnp.asarray(o, slab.dtype), shape)
+            for o, shape in zip(outs, self._member_shapes(), strict=True)
+        ]
+        return self.concat_hidden(outs)
 
     def _member_shapes(self) -> list[Shape]:
         return [
@@ -175,14 +176,16 @@ class GroupedModule(eqx.Module):
         return {p: g for g in self.hidden_groups for p in g.hidden_paths}
 
 
+def _find_root(parent: list[int], a: int) -> int:
+    while parent[a] != a:
+        parent[a] = parent[parent[a]]
+        a = parent[a]
+    return a
+
+
 def _components(n: int, edges: Sequence[tuple[int, int]]) -> list[list[int]]:
     parent = list(range(n))
-
-    def find(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
+    find = functools.partial(_find_root, parent)
 
     for a, b in edges:
         ra, rb = find(a), find(b)

@@ -13,6 +13,7 @@ This replaces an assumption with a check: a hidden-state transition or a
 with the identity. Unknown primitives are conservatively `Mixed`.
 """
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -321,16 +322,14 @@ def _scatter(eqn: JaxprEqn, in_maps: Sequence[AlignMap]) -> AlignMap:
     return out
 
 
+def _axes_all_ok(axes_ok: Callable[[int], bool], what: str, a: Align) -> Align | str:
+    return a if all(axes_ok(ax) for ax in a) else what
+
+
 def _full_extent(
     eqn: JaxprEqn, axes_ok: Callable[[int], bool], what: str
 ) -> Callable[[Align], Align | str]:
-    def fn(a: Align) -> Align | str:
-        for ax in a:
-            if not axes_ok(ax):
-                return what
-        return a
-
-    return fn
+    return functools.partial(_axes_all_ok, axes_ok, what)
 
 
 Recurse: TypeAlias = Callable[[ClosedJaxpr, Sequence[AlignMap]], list[AlignMap]]
@@ -429,15 +428,15 @@ def _transpose(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> 
     return [_remap(_first(in_maps), lambda a: tuple(perm.index(x) for x in a))]
 
 
+def _reduced_align(name: str, axes: frozenset[int], a: Align) -> Align | str:
+    if any(x in axes for x in a):
+        return f"{name} reduces over a position axis"
+    return tuple(x - sum(d < x for d in axes) for x in a)
+
+
 @_register(*_REDUCTIONS)
 def _reduce(eqn: JaxprEqn, in_maps: Sequence[AlignMap], recurse: Recurse) -> list[AlignMap]:
-    name, axes = eqn.primitive.name, set(eqn.params["axes"])
-
-    def fn(a: Align) -> Align | str:
-        if any(x in axes for x in a):
-            return f"{name} reduces over a position axis"
-        return tuple(x - sum(d < x for d in axes) for x in a)
-
+    fn = functools.partial(_reduced_align, eqn.primitive.name, frozenset(eqn.params["axes"]))
     return [_remap(_first(in_maps), fn)] * _n_out(eqn)
 
 
@@ -681,6 +680,13 @@ def positions_rule(
     return _unknown(eqn, in_maps)
 
 
+def _analyse_body(body: ClosedJaxpr, inner_maps: Sequence[AlignMap]) -> list[AlignMap]:
+    """The alignment maps of a sub-jaxpr's (loop or branch body's) outputs."""
+    inner_seeds = {v: m for v, m in zip(body.jaxpr.invars, inner_maps, strict=True) if m}
+    inner, _ = analyse(body.jaxpr, inner_seeds, lambda i, e, m: False)
+    return [inner.get(v, {}) if isinstance(v, Var) else {} for v in body.jaxpr.outvars]
+
+
 def analyse(
     jaxpr: Jaxpr,
     seeds: Mapping[Var, AlignMap],
@@ -705,11 +711,6 @@ def analyse(
     maps: dict[Var, AlignMap] = {v: dict(m) for v, m in seeds.items()}
     boundaries: set[int] = set()
 
-    def recurse(body: ClosedJaxpr, inner_maps: Sequence[AlignMap]) -> list[AlignMap]:
-        inner_seeds = {v: m for v, m in zip(body.jaxpr.invars, inner_maps, strict=True) if m}
-        inner, _ = analyse(body.jaxpr, inner_seeds, lambda i, e, m: False)
-        return [inner.get(v, {}) if isinstance(v, Var) else {} for v in body.jaxpr.outvars]
-
     for i, eqn in enumerate(jaxpr.eqns):
         in_maps = [
             maps.get(v, {}) if isinstance(v, Var) and v not in cuts else {} for v in eqn.invars
@@ -719,7 +720,7 @@ def analyse(
         if is_boundary(i, eqn, in_maps):
             boundaries.add(i)
             continue
-        outs = positions_rule(eqn, in_maps, recurse)
+        outs = positions_rule(eqn, in_maps, _analyse_body)
         for v, m in zip(eqn.outvars, outs, strict=True):
             if isinstance(v, DropVar) or not m:
                 continue

@@ -12,6 +12,7 @@ says why not.
 """
 
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -90,6 +91,18 @@ class TrainableOperand(eqx.Module):
         return tuple(dict.fromkeys(p for p, _ in self.param_leaves))
 
 
+def _run_tail(program: Program, consts: Sequence[Array], group: HiddenGroup, y: Array) -> Array:
+    """``slab(h^t)`` from the op output `y`, through a relation's tail program."""
+    outs = program(*consts, y)
+    shapes = [
+        (*group.varshape, k) if st else group.varshape
+        for k, st in zip(group.num_states, group.stacked, strict=True)
+    ]
+    return group.concat_hidden(
+        [jnp.broadcast_to(jnp.asarray(o), s) for o, s in zip(outs, shapes, strict=True)]
+    )
+
+
 class RelationTail(eqx.Module):
     """The map from a relation's ``y`` to one hidden group's new values.
 
@@ -116,18 +129,7 @@ class RelationTail(eqx.Module):
 
     def tail_fn(self, consts: Sequence[Array], group: HiddenGroup) -> Any:
         """The map ``y -> slab(h^t)`` of the group with the constants bound."""
-
-        def fn(y: Array) -> Array:
-            outs = self.program(*consts, y)
-            shapes = [
-                (*group.varshape, k) if st else group.varshape
-                for k, st in zip(group.num_states, group.stacked, strict=True)
-            ]
-            return group.concat_hidden(
-                [jnp.broadcast_to(jnp.asarray(o), s) for o, s in zip(outs, shapes, strict=True)]
-            )
-
-        return fn
+        return functools.partial(_run_tail, self.program, consts, group)
 
     def diagonal_jacobian(
         self, y: Array, consts: Sequence[Array], group: HiddenGroup
