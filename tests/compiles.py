@@ -1,4 +1,6 @@
-"""Counting XLA compilations in tests (JAX's backend-compile monitoring events)."""
+"""Counting XLA compilations in tests (JAX's backend-compile monitoring events, which
+also mark a program read back from the persistent compilation cache that `conftest.py`
+shares between the workers: each is a miss of JAX's in-memory caches)."""
 
 import jax
 
