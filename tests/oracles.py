@@ -158,7 +158,7 @@ def bptt_grads(
         _, losses = jax.lax.scan(body, carried, (xs, targets))
         return jnp.sum(losses)
 
-    grads: dict[Path, Any] = jax.grad(total)(dict(state.params))
+    grads: dict[Path, Any] = jax.jit(jax.grad(total))(dict(state.params))
     return grads
 
 
@@ -247,7 +247,8 @@ class OracleJacobians:
             return {p: new[p] for p in hidden_paths}
 
         h0 = [values[p] for p in hidden_paths]
-        jac = jax.jacrev(new_hidden, argnums=tuple(range(len(h0))))(*h0)
+        # one XLA program per oracle instead of one per eager op and shape
+        jac = jax.jit(jax.jacrev(new_hidden, argnums=tuple(range(len(h0)))))(*h0)
         by_path = {a: dict(zip(hidden_paths, jac[a], strict=True)) for a in hidden_paths}
         self.D: list[np.ndarray[Any, Any]] = []
         self.off_diagonal: list[float] = []
@@ -279,7 +280,7 @@ class OracleJacobians:
                 _, new = step(values, freeze_weights=True, inject=(_k, delta))
                 return new
 
-            jac_y = jax.jacrev(inject)(jnp.zeros_like(y))
+            jac_y = jax.jit(jax.jacrev(inject))(jnp.zeros_like(y))
             dfs: list[np.ndarray[Any, Any]] = []
             offs: list[float] = []
             for tail in rel.tails:
