@@ -4,6 +4,7 @@ diagonal, approximation elsewhere, and negative controls for every knob."""
 from collections.abc import Callable
 from typing import Any
 
+import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +150,87 @@ def test_chunked_equals_per_step(name: str, rule: str) -> None:
         assert rel_err(b, a) <= 1e-12, K
         assert rel_err(aux_b["traces"], aux_a["traces"]) <= 1e-12, K
         np.testing.assert_allclose(aux_b["losses"], aux_a["losses"], rtol=1e-12)
+
+
+class _OldAndNew(brainstate.nn.Module):
+    """``h ← tanh(W x + U h)``, read out from both the old and the new ``h``: the old
+    value reaches the output directly (`HiddenPerturbation.direct_paths`), so the
+    chunked drivers also contract the traces *before* each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        keys = jax.random.split(jax.random.PRNGKey(7), 3)
+        self.w = brainstate.ParamState(0.4 * jax.random.normal(keys[0], (3, 4)))
+        self.u = brainstate.ParamState(0.4 * jax.random.normal(keys[1], (4, 4)))
+        self.o = brainstate.ParamState(0.4 * jax.random.normal(keys[2], (4, 2)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((4,)))
+
+    def update(self, x: Array) -> Array:
+        old = self.h.value
+        self.h.value = jnp.tanh(x @ self.w.value + old @ self.u.value)
+        out: Array = (old + self.h.value) @ self.o.value
+        return out
+
+
+@pytest.mark.parametrize("rule", list(CHUNKABLE))
+def test_chunked_equals_per_step_with_direct_paths(rule: str) -> None:
+    model = _OldAndNew()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    assert graph.hidden_perturb is not None and graph.hidden_perturb.direct_paths == (("h",),)
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (9, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (9, 2))
+    make = CHUNKABLE[rule]
+    per_step = _online(make(1), graph, state, xs, ts)
+    for K in (2, 9):
+        assert rel_err(_online(make(K), graph, state, xs, ts), per_step) <= 1e-12, K
+
+
+def test_pp_prop_chunk_forms_equal_the_per_step_form() -> None:
+    """pp-prop's two stacked forms, used through the pure interface: `chunk` (the
+    chunk's Jacobians stacked) and `stream_step` + `stream_finish` (the driver's: one
+    pass, the factorised contractions stacked), against `update` + `eff_grads` per step;
+    with signals on the old hidden values too (`olds`)."""
+    case = next(c for c in CATALOGUE if c.name == "lstm")
+    graph, state, xs, ts = _problem(case, 6)
+    algo = etrax.PPProp(0.8, chunk_steps=6)
+    assert algo.streams(graph)
+    weights = etrax.algorithms.operand_values(graph, state.params)
+    jacs, sigs, olds = [], [], []
+    s = state
+    for t in range(6):
+        y, s, jac, pullback = etrax.step_vjp(graph, s, xs[t])
+        jacs.append(jac)
+        sigs.append(tuple(pullback(jax.grad(mse)(y, ts[t]))))
+        olds.append(tuple(0.5 * g for g in sigs[-1]))  # any signal on the old values
+    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
+    traces = algo.init(graph, state)
+    expected: Any = None
+    tr = traces
+    for jac, sig, old in zip(jacs, sigs, olds, strict=True):
+        g_old = algo.eff_grads(graph, tr, old, weights)
+        tr = algo.update(graph, tr, jac, weights)
+        g = jax.tree.map(jnp.add, g_old, algo.eff_grads(graph, tr, sig, weights))
+        expected = g if expected is None else jax.tree.map(jnp.add, expected, g)
+    chunk_tr, chunk_g = algo.chunk(graph, traces, stack(jacs), stack(sigs), weights, stack(olds))
+    assert rel_err(chunk_g, expected) <= 1e-12 and rel_err(chunk_tr, tr) <= 1e-12
+    streamed: Any = None
+    saved = []
+    st = traces
+    for jac, sig, old in zip(jacs, sigs, olds, strict=True):
+        st, now, keep = algo.stream_step(graph, st, jac, sig, weights, old)
+        streamed = now if streamed is None else jax.tree.map(jnp.add, streamed, now)
+        saved.append(keep)
+    rest = algo.stream_finish(graph, stack(saved), weights)
+    total = tuple(
+        {k: v.get(k, 0.0) + r.get(k, 0.0) for k in v.keys() | r.keys()}
+        for v, r in zip(streamed, rest, strict=True)
+    )
+    assert rel_err(total, expected) <= 1e-12 and rel_err(st, tr) <= 1e-12
+    assert not etrax.DRTRL().streams(graph)  # its chunk re-associates the recursion itself
 
 
 def test_chunks_are_alike_when_a_divisor_allows() -> None:

@@ -129,10 +129,14 @@ def test_digits_short_mode_trains_every_method(digits: ModuleType, float32: None
 
 @pytest.mark.slow
 def test_memory_online_is_flat_and_bptt_grows(memory: ModuleType, float32: None) -> None:
-    results = memory.run((20, 400), methods=("pp-prop", "BPTT"))
+    results = memory.run((100, 3000), methods=("pp-prop", "BPTT"))
     by = {(r.method, r.T): r for r in results}
-    assert by["pp-prop", 400].scratch_mib == pytest.approx(by["pp-prop", 20].scratch_mib)
-    assert by["BPTT", 400].scratch_mib > 5 * by["BPTT", 20].scratch_mib
+    # pp-prop's chunk holds its steps' stacked operands; the chunk is 25 steps at T = 100
+    # and 30 at T = 3,000 (the divisor of T nearest 32), so its scratch moves a little
+    # but does not grow with T
+    online = by["pp-prop", 100].scratch_mib, by["pp-prop", 3000].scratch_mib
+    assert max(online) <= 1.25 * min(online)
+    assert by["BPTT", 3000].scratch_mib > 5 * by["BPTT", 100].scratch_mib
     assert "| pp-prop |" in memory.table(results)
 
 

@@ -167,6 +167,31 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
     def chunk_size(self) -> int:
         """Steps the sequence driver groups into one `chunk` call (1: per step)."""
 
+    def streams(self, graph: ETraceGraph) -> bool:
+        """Whether the sequence driver may run a chunk as one scan of `stream_step`
+        followed by `stream_finish`, instead of stacking the chunk's Jacobians for
+        `chunk` (no rule has to: the default is `False`)."""
+        return False
+
+    def stream_step(
+        self,
+        graph: ETraceGraph,
+        traces: TraceT,
+        jac: StepJacobians,
+        signals: Sequence[Array],
+        weights: Weights,
+        olds: Sequence[Array] | None = None,
+    ) -> tuple[TraceT, EffGrads, PyTree]:
+        """One step of a streamed chunk: the updated traces, the step's gradients that
+        are formed at once (added up by the driver) and what the driver stacks over the
+        chunk for `stream_finish`. Only called when `streams` is `True`."""
+        raise NotImplementedError(f"{self.name} does not stream its chunks")
+
+    def stream_finish(self, graph: ETraceGraph, saved: PyTree, weights: Weights) -> EffGrads:
+        """The rest of a streamed chunk's gradients, from `stream_step`'s `saved` outputs
+        stacked over the chunk's steps (leading axis)."""
+        raise NotImplementedError(f"{self.name} does not stream its chunks")
+
     def grads(
         self,
         graph: ETraceGraph,

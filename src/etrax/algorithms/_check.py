@@ -123,7 +123,7 @@ class GradientCheck(eqx.Module):
 
     **Arguments:**
 
-    - `algorithm`: the algorithm, as its repr (e.g. ``PPProp(decay=0.9, chunk_steps=1)``).
+    - `algorithm`: the algorithm, as `equinox.tree_pformat` prints it.
     - `T`: the sequence length.
     - `window`: the `window` passed to `online_grad`.
     - `rtol`: the tolerance for calling a gradient exact over the sequence.

@@ -3,6 +3,7 @@ sequence length) and `bptt_grad` (exact backpropagation through time)."""
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import (
     TYPE_CHECKING,
@@ -231,12 +232,22 @@ def _step_grads(
     g_pert, g_old, g_use, g_eps = vjp_fn(cot)
     deferred = None
     if defer:
+        later = deferred_eqns(graph)
         uses = plan_of(graph).instant_uses
         g_use = [
-            g if u.eqn_index is None else jnp.zeros_like(g)
+            jnp.zeros_like(g) if u.eqn_index in later else g
             for u, g in zip(uses, g_use, strict=True)
         ]
-        deferred = Deferred(list(operands), list(g_eps))
+        eqn_of = {
+            e: i for i, slots in zip(hp.instant_eqns, hp.eps_slots, strict=True) for e in slots
+        }
+        deferred = Deferred(  # only what the deferred equations need is stacked
+            [
+                v if i in later else None
+                for (i, _), v in zip(hp.operand_slots, operands, strict=True)
+            ],
+            [v if eqn_of[e] in later else None for e, v in enumerate(g_eps)],
+        )
     groups = graph.hidden_groups
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
     olds = tuple(hp.perturb_data_to_hidden_group_data(g_old, groups))
@@ -250,44 +261,71 @@ def _step_grads(
 class Deferred(NamedTuple):
     """What forms the instantaneous gradients of the uses inside equations, per step
     (stacked over a chunk by the scan): the instant equations' non-weight operands
-    (`HiddenPerturbation.operand_slots`) and the cotangents of their outputs (``ε``)."""
+    (`HiddenPerturbation.operand_slots`) and the cotangents of their outputs (``ε``),
+    `None` for the equations not in `deferred_eqns`."""
 
-    operands: list[Array]
-    cotangents: list[Array]
+    operands: list[Array | None]
+    cotangents: list[Array | None]
+
+
+def deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
+    """The instant equations whose weights' instantaneous gradients the chunked driver
+    forms once per chunk, as one product over the stacked steps: those whose weights
+    hold more elements than the per-step operands and output cotangents kept for it
+    (a readout to a few outputs, say, is cheaper to contract at every step than to
+    stack)."""
+    hp = graph.hidden_perturb
+    if hp is None:
+        return frozenset()
+    eqns = graph.module_info.jaxpr.eqns
+    weights: dict[int, int] = {}
+    for u in plan_of(graph).instant_uses:
+        if u.eqn_index is not None:
+            weights[u.eqn_index] = weights.get(u.eqn_index, 0) + math.prod(u.shape)
+    kept = dict.fromkeys(hp.instant_eqns, 0)
+    for i, p in hp.operand_slots:
+        kept[i] += math.prod(struct_of(eqns[i].invars[p]).shape)
+    for i, slots in zip(hp.instant_eqns, hp.eps_slots, strict=True):
+        kept[i] += sum(math.prod(hp.eps_shapes[e]) for e in slots if e is not None)
+    return frozenset(i for i in hp.instant_eqns if weights.get(i, 0) > kept[i])
 
 
 def _deferred_use_grads(
     graph: ETraceGraph, params: Mapping[Path, PyTree], d: Deferred
 ) -> list[Array]:
     """``Σ_k`` of each injected use's instantaneous gradient over the stacked steps of
-    `d` (zero for uses outside equations, which `_step_grads` still forms per step)."""
+    `d` (zero for the uses that `_step_grads` still contracts per step: those outside
+    equations and those of equations not in `deferred_eqns`)."""
     hp = graph.hidden_perturb
     assert hp is not None
     eqns = graph.module_info.jaxpr.eqns
     uses = plan_of(graph).instant_uses
+    later = deferred_eqns(graph)
     values = [use_value(graph, u, params) for u in uses]
     weight_at = {(u.eqn_index, u.slot): n for n, u in enumerate(uses) if u.eqn_index is not None}
     operand_at = {slot: n for n, slot in enumerate(hp.operand_slots)}
     out: list[Array] = []
     for n, u in enumerate(uses):
-        if u.eqn_index is None:
+        if u.eqn_index not in later:
             out.append(jnp.zeros(u.shape, u.dtype))
             continue
         i, eqn = u.eqn_index, eqns[u.eqn_index]
-        slots = hp.eps_slots[hp.instant_eqns.index(i)]
-        steps = d.cotangents[next(e for e in slots if e is not None)].shape[0]
+        kept = [
+            None if e is None else d.cotangents[e] for e in hp.eps_slots[hp.instant_eqns.index(i)]
+        ]
+        steps = next(c for c in kept if c is not None).shape[0]
         cots = [
-            jnp.zeros((steps, *struct_of(v).shape), struct_of(v).dtype)
-            if e is None
-            else d.cotangents[e]
-            for v, e in zip(eqn.outvars, slots, strict=True)
+            jnp.zeros((steps, *struct_of(v).shape), struct_of(v).dtype) if c is None else c
+            for v, c in zip(eqn.outvars, kept, strict=True)
         ]
         inputs: list[Array | None] = []  # per operand: a fixed value, or None (stacked)
         stacked: list[Array] = []
         for p, a in enumerate(eqn.invars):
             if (i, p) in operand_at:
                 inputs.append(None)
-                stacked.append(d.operands[operand_at[(i, p)]])
+                operand = d.operands[operand_at[(i, p)]]
+                assert operand is not None  # kept for every deferred equation
+                stacked.append(operand)
             elif (i, p) in weight_at:
                 inputs.append(values[weight_at[(i, p)]])
             else:
@@ -485,17 +523,32 @@ def _online_impl(
             body, init, (xs, targets, modulators)
         )
     else:
+        streamed = algo.streams(graph)
+
+        def stream_step(carry: Any, inp: Any) -> Any:
+            st, tr, acc_eff, acc_pi, acc_sub = carry
+            (st, acc_pi, acc_sub), (loss, jac, sig, old, deferred) = signal_step(
+                (st, acc_pi, acc_sub), inp
+            )
+            tr, now, saved = algo.stream_step(graph, tr, jac, sig, weights, old if direct else None)
+            return (st, tr, add_eff(acc_eff, now), acc_pi, acc_sub), (loss, deferred, saved)
 
         def chunk_body(carry: Any, inp: Any) -> Any:
-            st, tr, acc_eff, acc_pi, acc_sub = carry
-            (st, acc_pi, acc_sub), (loss, jacs, sigs, olds, deferred) = jax.lax.scan(
-                signal_step, (st, acc_pi, acc_sub), inp
-            )
+            if streamed:  # one scan; only what the stacked products need is kept per step
+                carry, (loss, deferred, saved) = jax.lax.scan(stream_step, carry, inp)
+                st, tr, acc_eff, acc_pi, acc_sub = carry
+                acc_eff = add_eff(acc_eff, algo.stream_finish(graph, saved, weights))
+            else:  # the chunk's Jacobians stacked, for the rule's re-associated update
+                st, tr, acc_eff, acc_pi, acc_sub = carry
+                (st, acc_pi, acc_sub), (loss, jacs, sigs, olds, deferred) = jax.lax.scan(
+                    signal_step, (st, acc_pi, acc_sub), inp
+                )
+                tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
+                acc_eff = add_eff(acc_eff, g)
             # the instantaneous gradients of the uses inside equations: one product per
             # use over the chunk's stacked steps (off the per-step critical path)
             acc_pi = _add(acc_pi, _deferred_use_grads(graph, st.params, deferred))
-            tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
-            return (st, tr, add_eff(acc_eff, g), acc_pi, acc_sub), loss
+            return (st, tr, acc_eff, acc_pi, acc_sub), loss
 
         carry = vary_tree((state, traces, zeros, _zero_uses(graph, state), zeros), state, xs)
         carry, losses = _scan_blocks(

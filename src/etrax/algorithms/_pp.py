@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, ScalarLike
 
+from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, NoFilter
@@ -189,6 +190,38 @@ class InputOutput(TraceFactorisation[IOTraces]):
             add_into(out[slot.relation], g)
         return tuple(out)
 
+    def streams(self, graph: ETraceGraph, rule: LearningRule[IOTraces]) -> bool:
+        return any(_stacked(s) for s in plan_of(graph).slots)
+
+    def stream_out(
+        self, graph: ETraceGraph, traces: IOTraces, signals: Sequence[Array], weights: Weights,
+        rule: LearningRule[IOTraces],
+    ) -> tuple[EffGrads, PyTree]:  # fmt: skip
+        """The slots that are not factorised contract at once; the factorised ones keep
+        their signal ``Σ_a ε_f[a] L[a] / c`` and, once per relation, the input trace."""
+        plan = plan_of(graph)
+        now: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+        ms: list[Array] = []
+        for k, slot in enumerate(plan.slots):
+            if _stacked(slot):
+                ms.append(self._signal(traces, k, signals[slot.group]))
+            else:
+                g = self._slot_grads(traces, k, slot, signals[slot.group], weights)
+                add_into(now[slot.relation], g)
+        inputs = {s.relation for s in plan.slots if _stacked(s)}
+        xs = tuple(x if r in inputs else None for r, x in enumerate(traces.x))
+        return tuple(now), (tuple(ms), xs)
+
+    def stream_finish(
+        self, graph: ETraceGraph, saved: PyTree, weights: Weights, rule: LearningRule[IOTraces]
+    ) -> EffGrads:
+        ms, xs = saved
+        out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
+        stacked = (s for s in plan_of(graph).slots if _stacked(s))
+        for slot, m in zip(stacked, ms, strict=True):
+            add_into(out[slot.relation], _stacked_contract(slot, xs[slot.relation], m))
+        return tuple(out)
+
     def chunk(
         self, graph: ETraceGraph, traces: IOTraces, jacs: StepJacobians,
         signals: Sequence[Array], weights: Weights, olds: Sequence[Array] | None,
@@ -199,7 +232,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
         same sum, with K times more rows per product)."""
         dtype = traces.f[0].dtype
         plan = plan_of(graph)
-        fast = [s.factorized and not s.extra for s in plan.slots]
+        fast = [_stacked(s) for s in plan.slots]
         if olds is not None or not any(fast):
             return scan_chunk(
                 lambda tr, jac: self.update(graph, tr, jac, weights, rule),
@@ -229,6 +262,12 @@ class InputOutput(TraceFactorisation[IOTraces]):
                 g = {key: jnp.sum(v, axis=0) for key, v in slow[k].items()}
             add_into(grads[slot.relation], g)
         return traces, tuple(grads)
+
+
+def _stacked(slot: Any) -> bool:
+    """Whether a slot's contraction runs as one product over a chunk's stacked steps
+    (a factorised operand without extra per-step factors)."""
+    return bool(slot.factorized and not slot.extra)
 
 
 def _stacked_contract(slot: Any, xs: Array | None, ms: Array) -> dict[str, Array]:

@@ -70,7 +70,7 @@ def DRTRL(
 
 
 def PPProp(
-    decay: ScalarLike = 0.9, chunk_steps: SupportsIndex = 1, *, trace_dtype: Any = None
+    decay: ScalarLike = 0.9, chunk_steps: SupportsIndex = 32, *, trace_dtype: Any = None
 ) -> LearningRule[IOTraces]:
     """ES-D-RTRL (pp-prop): ``ε_x ← a ε_x + x``, ``ε_f ← a (D ⊛ ε_f) + (1 − a) df``, and
     the gradient ``contract(ε_x, Σ_a ε_f[a] L[a] / c)`` through one VJP-like
@@ -85,7 +85,11 @@ def PPProp(
       Python or NumPy numbers (``np.int64(2)``, ``np.float32(0.5)``) are accepted and
       stored as a Python ``float``; strings and bools are refused with a `TypeError`.
     - `chunk_steps`: steps whose gradient contractions run as one stacked product
-      (``1``: per step). Equal results. A positive Python or NumPy integer.
+      (``1``: per step). Equal results. The traces still advance step by step; what
+      the chunk keeps is each step's input trace and signal per factorised slot, and
+      the instantaneous-gradient operands of untraced weights, ``O(K · (I + O))`` per
+      relation, for one product with ``K`` times the rows of a step's at the chunk's
+      end. ``1`` keeps only the traces. A positive Python or NumPy integer.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     return LearningRule(

@@ -32,7 +32,14 @@ from ._axes import (
     Symmetric,
     as_dtype,
 )
-from ._base import EffGrads, OnlineAlgorithm, Weights, check_chunk_steps, check_relations
+from ._base import (
+    EffGrads,
+    OnlineAlgorithm,
+    Weights,
+    add_eff,
+    check_chunk_steps,
+    check_relations,
+)
 
 __all__ = ["LearningRule", "TraceFactorisation"]
 
@@ -91,6 +98,25 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
         weights: Weights, olds: Sequence[Array] | None, rule: "LearningRule[TraceT]",
     ) -> tuple[TraceT, EffGrads]:  # fmt: skip
         """`OnlineAlgorithm.chunk` for this factorisation."""
+
+    def streams(self, graph: ETraceGraph, rule: "LearningRule[TraceT]") -> bool:
+        """Whether chunks may be streamed (`OnlineAlgorithm.streams`); `False` unless
+        the factorisation implements `stream_out` and `stream_finish`."""
+        return False
+
+    def stream_out(
+        self, graph: ETraceGraph, traces: TraceT, signals: Sequence[Array], weights: Weights,
+        rule: "LearningRule[TraceT]",
+    ) -> tuple[EffGrads, PyTree]:  # fmt: skip
+        """For traces just updated (in the compute dtype): the gradients formed at once
+        and what is stacked over the chunk for `stream_finish`."""
+        raise NotImplementedError(f"{self.label} does not stream its chunks")
+
+    def stream_finish(
+        self, graph: ETraceGraph, saved: PyTree, weights: Weights, rule: "LearningRule[TraceT]"
+    ) -> EffGrads:
+        """The gradients left to `stream_out`'s stacked outputs."""
+        raise NotImplementedError(f"{self.label} does not stream its chunks")
 
 
 def _cast_leaf(a: Any, dtype: Any) -> Any:
@@ -258,6 +284,31 @@ class LearningRule(OnlineAlgorithm[TraceT]):
             graph, _cast(traces, compute), jacs, signals, weights, olds, self
         )
         return _cast(new, self._store(compute)), grads
+
+    def streams(self, graph: ETraceGraph) -> bool:
+        return self.factorisation.streams(graph, self)
+
+    def stream_step(
+        self,
+        graph: ETraceGraph,
+        traces: TraceT,
+        jac: StepJacobians,
+        signals: Sequence[Array],
+        weights: Weights,
+        olds: Sequence[Array] | None = None,
+    ) -> tuple[TraceT, EffGrads, PyTree]:
+        # the per-step path, `update` then `eff_grads`, with the contractions that
+        # the factorisation stacks left to `stream_finish`
+        before = None if olds is None else self.eff_grads(graph, traces, olds, weights)
+        new = self.update(graph, traces, jac, weights)
+        compute = jnp.result_type(*signals) if signals else jnp.float32
+        now, saved = self.factorisation.stream_out(
+            graph, _cast(new, compute), signals, _weights(graph, weights), self
+        )
+        return new, now if before is None else add_eff(before, now), saved
+
+    def stream_finish(self, graph: ETraceGraph, saved: PyTree, weights: Weights) -> EffGrads:
+        return self.factorisation.stream_finish(graph, saved, _weights(graph, weights), self)
 
     def learning_signals(
         self,
