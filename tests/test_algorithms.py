@@ -206,7 +206,10 @@ def test_pp_prop_chunk_forms_equal_the_per_step_form() -> None:
         jacs.append(jac)
         sigs.append(tuple(pullback(jax.grad(mse)(y, ts[t]))))
         olds.append(tuple(0.5 * g for g in sigs[-1]))  # any signal on the old values
-    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
+
+    def stack(trees: list[Any]) -> Any:
+        return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
     traces = algo.init(graph, state)
     expected: Any = None
     tr = traces
