@@ -222,7 +222,8 @@ def _step_grads(
     assert hp is not None
     flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
     f = functools.partial(_perturbed_outputs, graph, flat)
-    zeros = [jnp.zeros_like(state.hidden[p]) for p in hp.perturb_hidden_paths]
+    # negative zeros: ``x + (−0.0)`` is ``x`` bit for bit, so the outputs equal the step's
+    zeros = [jnp.full_like(state.hidden[p], -0.0) for p in hp.perturb_hidden_paths]
     deltas = _zero_uses(graph, state)
     eps = hp.init_eps_data() if defer else []
     out, vjp_fn, (hidden, other, hoisted, operands) = jax.vjp(

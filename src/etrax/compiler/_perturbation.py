@@ -59,8 +59,9 @@ class HiddenPerturbation(eqx.Module):
         return self.program.closed
 
     def init_perturb_data(self) -> list[Array]:
-        """Zero perturbations."""
-        return [jnp.zeros(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
+        """Zero perturbations: negative zeros, since ``x + (−0.0)`` is ``x`` bit for bit
+        (``−0.0 + 0.0`` is ``+0.0``), so the perturbed step's outputs equal the step's."""
+        return [jnp.full(s, -0.0, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
 
     def init_use_data(self) -> list[Array]:
         """Zero use perturbations ``δ``."""
@@ -98,7 +99,7 @@ class HiddenPerturbation(eqx.Module):
                 f"{list(self.perturb_hidden_paths)}), got {len(perturb_data)}"
             )
         if old_perturb_data is None:
-            old_perturb_data = [jnp.zeros_like(p) for p in perturb_data]
+            old_perturb_data = [jnp.full_like(p, -0.0) for p in perturb_data]
         if use_data is None:
             use_data = self.init_use_data()
         if eps_data is None:
