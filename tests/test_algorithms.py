@@ -1,6 +1,7 @@
 """Online learning against BPTT (float64): exactness where the recurrence is
 diagonal, approximation elsewhere, and negative controls for every knob."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -189,51 +190,87 @@ def test_chunked_equals_per_step_with_direct_paths(rule: str) -> None:
         assert rel_err(_online(make(K), graph, state, xs, ts), per_step) <= 1e-12, K
 
 
-def test_pp_prop_chunk_forms_equal_the_per_step_form() -> None:
-    """pp-prop's two stacked forms, used through the pure interface: `chunk` (the
-    chunk's Jacobians stacked) and `stream_step` + `stream_finish` (the driver's: one
-    pass, the factorised contractions stacked), against `update` + `eff_grads` per step;
-    with signals on the old hidden values too (`olds`)."""
-    case = next(c for c in CATALOGUE if c.name == "lstm")
-    graph, state, xs, ts = _problem(case, 6)
-    algo = etrax.PPProp(0.8, chunk_steps=6)
-    assert algo.streams(graph)
-    weights = etrax.algorithms.operand_values(graph, state.params)
-    jacs, sigs, olds = [], [], []
-    s = state
-    for t in range(6):
-        y, s, jac, pullback = etrax.step_vjp(graph, s, xs[t])
-        jacs.append(jac)
-        sigs.append(tuple(pullback(jax.grad(mse)(y, ts[t]))))
-        olds.append(tuple(0.5 * g for g in sigs[-1]))  # any signal on the old values
+def _stack(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
-    def stack(trees: list[Any]) -> Any:
-        return jax.tree.map(lambda *a: jnp.stack(a), *trees)
 
-    traces = algo.init(graph, state)
-    expected: Any = None
-    tr = traces
-    for jac, sig, old in zip(jacs, sigs, olds, strict=True):
+def _per_step(
+    algo: etrax.OnlineAlgorithm[Any], graph: etrax.ETraceGraph, steps: list[Any], weights: Any
+) -> tuple[Any, Any]:
+    """Traces and summed gradients of `update` + `eff_grads` step by step."""
+    tr = algo.init(graph, etrax.state_of(graph))
+    total: Any = None
+    for jac, sig, old in steps:
         g_old = algo.eff_grads(graph, tr, old, weights)
         tr = algo.update(graph, tr, jac, weights)
         g = jax.tree.map(jnp.add, g_old, algo.eff_grads(graph, tr, sig, weights))
-        expected = g if expected is None else jax.tree.map(jnp.add, expected, g)
-    chunk_tr, chunk_g = algo.chunk(graph, traces, stack(jacs), stack(sigs), weights, stack(olds))
-    assert rel_err(chunk_g, expected) <= 1e-12 and rel_err(chunk_tr, tr) <= 1e-12
+        total = g if total is None else jax.tree.map(jnp.add, total, g)
+    return tr, total
+
+
+def _streamed(
+    step: Callable[..., Any],
+    finish: Callable[..., Any],
+    traces: Any,
+    graph: etrax.ETraceGraph,
+    steps: list[Any],
+    weights: Any,
+) -> tuple[Any, Any]:
+    """Traces and summed gradients of `stream_step` over the steps, then `stream_finish`
+    on what the steps kept, stacked."""
     streamed: Any = None
     saved = []
-    st = traces
-    for jac, sig, old in zip(jacs, sigs, olds, strict=True):
-        st, now, keep = algo.stream_step(graph, st, jac, sig, weights, old)
+    for jac, sig, old in steps:
+        traces, now, keep = step(graph, traces, jac, sig, weights, old)
         streamed = now if streamed is None else jax.tree.map(jnp.add, streamed, now)
         saved.append(keep)
-    rest = algo.stream_finish(graph, stack(saved), weights)
+    rest = finish(graph, _stack(saved), weights)
     total = tuple(
         {k: v.get(k, 0.0) + r.get(k, 0.0) for k in v.keys() | r.keys()}
         for v, r in zip(streamed, rest, strict=True)
     )
+    return traces, total
+
+
+def test_chunk_forms_equal_the_per_step_form() -> None:
+    """The stacked forms, used through the pure interface, against `update` +
+    `eff_grads` per step, with signals on the old hidden values too (`olds`): pp-prop's
+    `chunk` (the chunk's Jacobians stacked) and `stream_step` + `stream_finish` (the
+    driver's: one pass, the factorised contractions stacked); and the default streamed
+    form of a rule that keeps nothing for `stream_finish` (D-RTRL, as a `LearningRule`
+    and through `OnlineAlgorithm`'s own default)."""
+    case = next(c for c in CATALOGUE if c.name == "lstm")
+    graph, state, xs, ts = _problem(case, 6)
+    weights = etrax.algorithms.operand_values(graph, state.params)
+    steps = []
+    s = state
+    for t in range(6):
+        y, s, jac, pullback = etrax.step_vjp(graph, s, xs[t])
+        sig = tuple(pullback(jax.grad(mse)(y, ts[t])))
+        steps.append((jac, sig, tuple(0.5 * g for g in sig)))  # any signal on old values
+    jacs, sigs, olds = (_stack([st[n] for st in steps]) for n in range(3))
+
+    pp = etrax.PPProp(0.8, chunk_steps=6)
+    assert pp.streams(graph)
+    tr, expected = _per_step(pp, graph, steps, weights)
+    traces = pp.init(graph, state)
+    chunk_tr, chunk_g = pp.chunk(graph, traces, jacs, sigs, weights, olds)
+    assert rel_err(chunk_g, expected) <= 1e-12 and rel_err(chunk_tr, tr) <= 1e-12
+    st, total = _streamed(pp.stream_step, pp.stream_finish, traces, graph, steps, weights)
     assert rel_err(total, expected) <= 1e-12 and rel_err(st, tr) <= 1e-12
-    assert not etrax.DRTRL().streams(graph)  # its chunk re-associates the recursion itself
+
+    drtrl = etrax.DRTRL()
+    assert not drtrl.streams(graph)  # its chunk re-associates the recursion itself
+    d_tr, d_expected = _per_step(drtrl, graph, steps, weights)
+    base = etrax.OnlineAlgorithm
+    forms: list[tuple[Callable[..., Any], Callable[..., Any]]] = [
+        (drtrl.stream_step, drtrl.stream_finish),
+        (functools.partial(base.stream_step, drtrl), functools.partial(base.stream_finish, drtrl)),
+    ]
+    for step, finish in forms:
+        d_traces = drtrl.init(graph, state)
+        d_st, d_total = _streamed(step, finish, d_traces, graph, steps, weights)
+        assert rel_err(d_total, d_expected) <= 1e-12 and rel_err(d_st, d_tr) <= 1e-12
 
 
 def test_chunks_are_alike_when_a_divisor_allows() -> None:

@@ -168,9 +168,10 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
         """Steps the sequence driver groups into one `chunk` call (1: per step)."""
 
     def streams(self, graph: ETraceGraph) -> bool:
-        """Whether the sequence driver may run a chunk as one scan of `stream_step`
+        """Whether the sequence driver runs a chunk as one scan of `stream_step`
         followed by `stream_finish`, instead of stacking the chunk's Jacobians for
-        `chunk` (no rule has to: the default is `False`)."""
+        `chunk`: `True` for a rule whose `stream_step` keeps work for `stream_finish`
+        (the default is `False`: its `chunk` is at least as fast)."""
         return False
 
     def stream_step(
@@ -184,13 +185,18 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
     ) -> tuple[TraceT, EffGrads, PyTree]:
         """One step of a streamed chunk: the updated traces, the step's gradients that
         are formed at once (added up by the driver) and what the driver stacks over the
-        chunk for `stream_finish`. Only called when `streams` is `True`."""
-        raise NotImplementedError(f"{self.name} does not stream its chunks")
+        chunk for `stream_finish`. By default the per-step form: `eff_grads` with `olds`
+        on the traces before the step, `update`, `eff_grads` with `signals`; nothing is
+        kept."""
+        before = None if olds is None else self.eff_grads(graph, traces, olds, weights)
+        new = self.update(graph, traces, jac, weights)
+        now = self.eff_grads(graph, new, signals, weights)
+        return new, now if before is None else add_eff(before, now), ()
 
     def stream_finish(self, graph: ETraceGraph, saved: PyTree, weights: Weights) -> EffGrads:
         """The rest of a streamed chunk's gradients, from `stream_step`'s `saved` outputs
-        stacked over the chunk's steps (leading axis)."""
-        raise NotImplementedError(f"{self.name} does not stream its chunks")
+        stacked over the chunk's steps (leading axis); none by default."""
+        return tuple({} for _ in graph.hidden_param_op_relations)
 
     def grads(
         self,

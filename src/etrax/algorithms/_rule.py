@@ -100,8 +100,8 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
         """`OnlineAlgorithm.chunk` for this factorisation."""
 
     def streams(self, graph: ETraceGraph, rule: "LearningRule[TraceT]") -> bool:
-        """Whether chunks may be streamed (`OnlineAlgorithm.streams`); `False` unless
-        the factorisation implements `stream_out` and `stream_finish`."""
+        """Whether chunks are streamed (`OnlineAlgorithm.streams`); `False` unless the
+        factorisation keeps work for `stream_finish`."""
         return False
 
     def stream_out(
@@ -109,14 +109,15 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
         rule: "LearningRule[TraceT]",
     ) -> tuple[EffGrads, PyTree]:  # fmt: skip
         """For traces just updated (in the compute dtype): the gradients formed at once
-        and what is stacked over the chunk for `stream_finish`."""
-        raise NotImplementedError(f"{self.label} does not stream its chunks")
+        and what is stacked over the chunk for `stream_finish`. By default every
+        gradient is formed at once (`eff_grads`) and nothing is kept."""
+        return self.eff_grads(graph, traces, signals, weights, rule), ()
 
     def stream_finish(
         self, graph: ETraceGraph, saved: PyTree, weights: Weights, rule: "LearningRule[TraceT]"
     ) -> EffGrads:
-        """The gradients left to `stream_out`'s stacked outputs."""
-        raise NotImplementedError(f"{self.label} does not stream its chunks")
+        """The gradients left to `stream_out`'s stacked outputs; none by default."""
+        return tuple({} for _ in graph.hidden_param_op_relations)
 
 
 def _cast_leaf(a: Any, dtype: Any) -> Any:
