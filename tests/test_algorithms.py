@@ -271,6 +271,10 @@ def test_chunk_forms_equal_the_per_step_form() -> None:
         d_traces = drtrl.init(graph, state)
         d_st, d_total = _streamed(step, finish, d_traces, graph, steps, weights)
         assert rel_err(d_total, d_expected) <= 1e-12 and rel_err(d_st, d_tr) <= 1e-12
+    jac, sig, _ = steps[0]
+    moved = drtrl.update(graph, drtrl.init(graph, state), jac, weights)
+    now, kept = base.stream_out(drtrl, graph, moved, sig, weights)  # the base default
+    assert kept == () and rel_err(now, drtrl.eff_grads(graph, moved, sig, weights)) == 0.0
 
 
 def test_chunks_are_alike_when_a_divisor_allows() -> None:

@@ -185,13 +185,19 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
     ) -> tuple[TraceT, EffGrads, PyTree]:
         """One step of a streamed chunk: the updated traces, the step's gradients that
         are formed at once (added up by the driver) and what the driver stacks over the
-        chunk for `stream_finish`. By default the per-step form: `eff_grads` with `olds`
-        on the traces before the step, `update`, `eff_grads` with `signals`; nothing is
-        kept."""
+        chunk for `stream_finish`: `eff_grads` with `olds` on the traces before the
+        step, `update`, then `stream_out` with `signals`."""
         before = None if olds is None else self.eff_grads(graph, traces, olds, weights)
         new = self.update(graph, traces, jac, weights)
-        now = self.eff_grads(graph, new, signals, weights)
-        return new, now if before is None else add_eff(before, now), ()
+        now, saved = self.stream_out(graph, new, signals, weights)
+        return new, now if before is None else add_eff(before, now), saved
+
+    def stream_out(
+        self, graph: ETraceGraph, traces: TraceT, signals: Sequence[Array], weights: Weights
+    ) -> tuple[EffGrads, PyTree]:
+        """For traces just updated: the gradients formed at once and what is kept for
+        `stream_finish`. By default the per-step form: `eff_grads`, nothing kept."""
+        return self.eff_grads(graph, traces, signals, weights), ()
 
     def stream_finish(self, graph: ETraceGraph, saved: PyTree, weights: Weights) -> EffGrads:
         """The rest of a streamed chunk's gradients, from `stream_step`'s `saved` outputs

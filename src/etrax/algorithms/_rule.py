@@ -36,7 +36,6 @@ from ._base import (
     EffGrads,
     OnlineAlgorithm,
     Weights,
-    add_eff,
     check_chunk_steps,
     check_relations,
 )
@@ -289,24 +288,14 @@ class LearningRule(OnlineAlgorithm[TraceT]):
     def streams(self, graph: ETraceGraph) -> bool:
         return self.factorisation.streams(graph, self)
 
-    def stream_step(
-        self,
-        graph: ETraceGraph,
-        traces: TraceT,
-        jac: StepJacobians,
-        signals: Sequence[Array],
-        weights: Weights,
-        olds: Sequence[Array] | None = None,
-    ) -> tuple[TraceT, EffGrads, PyTree]:
-        # the per-step path, `update` then `eff_grads`, with the contractions that
-        # the factorisation stacks left to `stream_finish`
-        before = None if olds is None else self.eff_grads(graph, traces, olds, weights)
-        new = self.update(graph, traces, jac, weights)
+    def stream_out(
+        self, graph: ETraceGraph, traces: TraceT, signals: Sequence[Array], weights: Weights
+    ) -> tuple[EffGrads, PyTree]:
+        # the factorisation forms some contractions now and stacks the others
         compute = jnp.result_type(*signals) if signals else jnp.float32
-        now, saved = self.factorisation.stream_out(
-            graph, _cast(new, compute), signals, _weights(graph, weights), self
+        return self.factorisation.stream_out(
+            graph, _cast(traces, compute), signals, _weights(graph, weights), self
         )
-        return new, now if before is None else add_eff(before, now), saved
 
     def stream_finish(self, graph: ETraceGraph, saved: PyTree, weights: Weights) -> EffGrads:
         return self.factorisation.stream_finish(graph, saved, _weights(graph, weights), self)
