@@ -1,6 +1,7 @@
 """The brainstate-facing learner: masks and reductions against BPTT through the model's
 own update, evolving without gradients, one-step calls, seeds and reports."""
 
+import dataclasses
 from typing import Any, Literal
 
 import brainstate
@@ -122,7 +123,7 @@ def test_one_step_call_and_seed_and_report(capsys: pytest.CaptureFixture[str]) -
 
 def test_each_method_compiles_one_program_once() -> None:
     """A learner method's first call compiles exactly one XLA program (the online
-    driver, the mask weights, the silence checks and the totals together); a second
+    driver, the mask weights, the silence checks off the CPU and the totals together); a second
     call with new values, and `reset`, compile nothing."""
     learner, xs_jax, ys_jax = setup(etrax.DRTRL())
     xs, ys = np.asarray(xs_jax), np.asarray(ys_jax)  # NumPy: indexing compiles nothing
@@ -149,6 +150,84 @@ def test_each_method_compiles_one_program_once() -> None:
     with CompileCount() as reset:
         learner.reset()
     assert reset.count == 0
+
+
+class _StateSeeded(etrax.LearningRule[Any]):
+    """D-RTRL whose initial traces depend on the hidden state (by a zero amount):
+    not a constant, so the learner must run its ``init`` under `jax.jit`."""
+
+    def init(self, graph: etrax.ETraceGraph, state: Any) -> Any:
+        traces = super().init(graph, state)
+        h = jnp.sum(jax.tree.leaves(state.hidden)[0])
+        return jax.tree.map(lambda a: a + 0.0 * h, traces)
+
+
+def _jitted_init(learner: etrax.OnlineLearner, vmap: bool) -> Any:
+    from etrax.executor import state_of
+
+    graph, algo = learner.graph, learner.algorithm
+
+    def init(st: Any) -> Any:
+        return algo.init(graph, st)
+
+    return jax.jit(jax.vmap(init, in_axes=None, axis_size=2) if vmap else init)(state_of(graph))
+
+
+def test_initial_traces_compile_nothing() -> None:
+    """Zero initial traces are made on the host (`constant_outputs` folds the rule's
+    ``init``), so building a learner compiles no XLA program, with and without
+    ``vmap``, and its traces equal the rule's ``init`` run under `jax.jit`; traces
+    that are not constants still come from one jitted ``init``."""
+    drtrl = etrax.DRTRL()
+    seeded = _StateSeeded(**{f.name: getattr(drtrl, f.name) for f in dataclasses.fields(drtrl)})
+    rules: list[tuple[etrax.OnlineAlgorithm[Any], int]] = [
+        (drtrl, 0),
+        (etrax.PPProp(0.9), 0),
+        (etrax.EProp(0.9), 0),
+        (etrax.UORO(jax.random.key(0)), 0),
+        (seeded, 1),
+    ]
+    for rule, programs in rules:
+        for vmap in (False, True):
+            brainstate.random.seed(0)
+            x0 = jnp.zeros((2, 3))
+            model = LeakyTanhReadout(3, 5)  # its random weights compile programs of their own
+            brainstate.nn.init_all_states(model, batch_size=None if vmap else 2)  # so do its
+            # zero states (eager jnp.zeros): done once here, cached for etrax.compile's call
+            with CompileCount() as count:
+                learner = etrax.compile(model, rule, x0, batch_size=2, vmap=vmap)
+            assert count.count == programs, (rule.name, vmap)
+            jitted = _jitted_init(learner, vmap)
+            assert jax.tree.structure(learner.traces) == jax.tree.structure(jitted)
+            for a, b in zip(jax.tree.leaves(learner.traces), jax.tree.leaves(jitted), strict=True):
+                assert (a.shape, a.dtype) == (b.shape, b.dtype)
+                np.testing.assert_array_equal(a, b)
+
+
+def test_constant_outputs_folds_only_constants() -> None:
+    """`constant_outputs` returns numpy-made values for outputs built from literals by
+    broadcasts, casts and reshapes, and `None` as soon as one output depends on an
+    argument, a random key or another primitive."""
+    from etrax._compat import constant_outputs
+
+    x = jnp.arange(3.0)
+
+    def zeros(v: Array) -> dict[str, Any]:
+        return {
+            "a": jnp.zeros((2, 3)),
+            "b": jnp.zeros((4,), jnp.int32).reshape(2, 2),
+            "c": jnp.full((3,), 2.5).astype(jnp.float16),
+            "d": jax.vmap(lambda _: jnp.ones((2,)))(v),
+        }
+
+    folded = constant_outputs(zeros, x)
+    assert folded is not None
+    for key, want in zeros(x).items():
+        assert (folded[key].dtype, folded[key].shape) == (want.dtype, want.shape), key
+        np.testing.assert_array_equal(folded[key], want)
+    assert constant_outputs(lambda v: (jnp.zeros(3), v * 0.0), x) is None
+    assert constant_outputs(lambda v: jnp.zeros(3) + 1.0, x) is None
+    assert constant_outputs(lambda v: jax.random.normal(jax.random.key(0), (3,)), x) is None
 
 
 def test_the_learner_keeps_a_bounded_number_of_programs() -> None:

@@ -7,10 +7,11 @@ If a JAX release moves one of these names, this module is the only one to fix.
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import jax
 import jax.extend.core as jex
+import numpy as np
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "bind",
     "bind_equation",
     "call_body",
+    "constant_outputs",
     "define_primitive",
     "equation_context",
     "equation_location",
@@ -304,3 +306,65 @@ def define_primitive(
 
     batching.primitive_batchers[prim] = batch
     return prim
+
+
+def _np_broadcast_in_dim(
+    x: np.ndarray,
+    *,
+    shape: Sequence[SupportsIndex],
+    broadcast_dimensions: Sequence[SupportsIndex],
+    **_: Any,
+) -> np.ndarray:
+    placed = [1] * len(shape)
+    for axis, dim in zip(broadcast_dimensions, x.shape, strict=True):
+        placed[int(axis)] = dim
+    return np.broadcast_to(x.reshape(placed), tuple(int(d) for d in shape))
+
+
+def _np_convert(x: np.ndarray, *, new_dtype: Any, **_: Any) -> np.ndarray:
+    return x.astype(new_dtype)
+
+
+def _np_reshape(
+    x: np.ndarray, *, new_sizes: Sequence[SupportsIndex], dimensions: Any = None, **_: Any
+) -> np.ndarray | None:
+    return None if dimensions is not None else x.reshape(tuple(int(d) for d in new_sizes))
+
+
+# The primitives `constant_outputs` evaluates with numpy: those that make zeros.
+_NUMPY_RULES: dict[str, Callable[..., np.ndarray | None]] = {
+    "broadcast_in_dim": _np_broadcast_in_dim,
+    "convert_element_type": _np_convert,
+    "reshape": _np_reshape,
+}
+
+
+def constant_outputs(fn: Callable[..., Any], *args: Any) -> Any | None:
+    """``fn(*args)`` without compiling anything, when every output of `fn` is a
+    constant built from literals by broadcasts, casts and reshapes only (initial zero
+    traces): the values are made with numpy and placed on the default device. `None`
+    when any output depends on the arguments, on a random key or on another primitive
+    (then run `fn` under `jax.jit`). Saves one XLA compilation per learner."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    known: dict[Any, np.ndarray] = {}
+
+    def value(atom: Any) -> np.ndarray | None:
+        if isinstance(atom, jex.Literal):
+            return np.asarray(atom.val)
+        return known.get(atom)
+
+    for eqn in closed.jaxpr.eqns:
+        rule = _NUMPY_RULES.get(eqn.primitive.name)
+        ins = [value(v) for v in eqn.invars]
+        if rule is None or len(eqn.outvars) != 1 or any(i is None for i in ins):
+            continue
+        out = rule(*ins, **eqn.params)
+        if out is not None:
+            known[eqn.outvars[0]] = out
+    leaves = []
+    for atom in closed.jaxpr.outvars:
+        val = value(atom)
+        if val is None or atom.aval.weak_type or val.shape != atom.aval.shape:
+            return None
+        leaves.append(jax.device_put(np.array(val, dtype=atom.aval.dtype)))
+    return jax.tree.unflatten(jax.tree.structure(shapes), leaves)

@@ -8,14 +8,17 @@ in the model (read before, written after each call); traces live in the learner.
 import pathlib
 import warnings
 from collections.abc import Callable, Hashable
+from types import ModuleType
 from typing import Any, BinaryIO, Literal, TypeAlias, TypeVar, cast, overload
 
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .._compat import constant_outputs, is_tracer
 from .._errors import SilentNetworkWarning, StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
@@ -141,7 +144,9 @@ class OnlineLearner:
         def program(state: ModelState) -> PyTree:
             return self._run(init, state, None)[1]
 
-        self.traces = self._program(("init",), program)(state_of(self.graph))
+        state = state_of(self.graph)
+        folded = constant_outputs(program, state)  # zero traces: no XLA program needed
+        self.traces = self._program(("init",), program)(state) if folded is None else folded
 
     def _program(self, key: Hashable, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` under `jax.jit`, built once per `key`, so that every call of a method
@@ -448,49 +453,59 @@ class OnlineLearner:
             grads, losses, raw = self._over_batch((grads, losses, raw), "sum")
             aux = self._over_batch(aux, "time_first")
             shown = {"weighted": losses, "per_step": raw, "total": jnp.sum(losses)}[loss_output]
-            silent = self._silence(before, state, grads)
+            silent = None if on_host else self._silence(before, state, grads, jnp)
             return state, traces, grads, shown, aux, silent
 
+        # On the CPU the results are in host memory: reading them there is cheaper than
+        # a reduction per gradient leaf in the program (fewer kernels to compile).
+        on_host = jax.default_backend() == "cpu"
         key = (
             "grad", weighted_fn, weighted, reduction, has_aux, loss_output, window,
-            modulators is None,
+            modulators is None, on_host,
         )  # fmt: skip
+        before = state_of(self.graph)
         state, traces, grads, shown, aux, silent = self._program(key, program)(
-            state_of(self.graph), self.traces, xs, ys, mask, modulators
+            before, self.traces, xs, ys, mask, modulators
         )
-        self._warn_if_silent(*silent)
+        self._warn_if_silent(*(self._silence(before, state, grads, np) if on_host else silent))
         write_back(self.graph, state)
         self.traces = traces
         if return_value:
             return (grads, shown, aux) if has_aux else (grads, shown)
         return (grads, aux) if has_aux else grads
 
-    def _silence(self, before: ModelState, after: ModelState, grads: Grads) -> tuple[Array, Array]:
+    def _silence(
+        self, before: ModelState, after: ModelState, grads: Grads, xp: ModuleType
+    ) -> tuple[Array | np.ndarray, Array | np.bool_ | np.ndarray]:
         """Per hidden group, whether it did not change over the sequence; and whether
-        every gradient is exactly zero (computed inside the program)."""
+        every gradient is exactly zero. `xp` is `jax.numpy` (inside the program) or
+        `numpy` (on the host, for results in host memory)."""
+
+        def leaves(tree: PyTree) -> list[Any]:  # leaf by leaf: values may carry units
+            return [xp.asarray(a) for a in jax.tree.leaves(tree)]
+
         still = [
-            jnp.all(
-                jnp.stack(
+            xp.all(
+                xp.stack(
                     [
-                        jnp.array_equal(a, b)  # leaf by leaf: values may carry units
+                        xp.array_equal(a, b)
                         for p in g.hidden_paths
                         for a, b in zip(
-                            jax.tree.leaves(before.hidden[p]),
-                            jax.tree.leaves(after.hidden[p]),
-                            strict=True,
+                            leaves(before.hidden[p]), leaves(after.hidden[p]), strict=True
                         )
                     ]
-                    or [jnp.asarray(False)]
+                    or [xp.asarray(False)]
                 )
             )
             for g in self.graph.hidden_groups
         ]
-        leaves = jax.tree.leaves(grads)
-        nonzero = [jnp.any(g != 0) for g in leaves]
-        all_zero = jnp.logical_not(jnp.any(jnp.stack(nonzero))) if nonzero else jnp.asarray(False)
-        return jnp.stack(still) if still else jnp.zeros((0,), bool), all_zero
+        nonzero = [xp.any(g) for g in leaves(grads)]  # NaN counts as nonzero
+        all_zero = xp.logical_not(xp.any(xp.stack(nonzero))) if nonzero else xp.asarray(False)
+        return (xp.stack(still) if still else xp.zeros((0,), bool)), all_zero
 
-    def _warn_if_silent(self, still: Array, all_zero: Array) -> None:
+    def _warn_if_silent(
+        self, still: Array | np.ndarray, all_zero: Array | np.bool_ | np.ndarray
+    ) -> None:
         """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
         sequence, or every gradient is exactly zero."""
         unchanged = [
@@ -665,9 +680,22 @@ class OnlineLearner:
         return self.graph.weight_rules()
 
 
+def _leafwise(tree: PyTree, f: Callable[[ModuleType, Any], Any]) -> PyTree:
+    """``f(xp, leaf)`` on every leaf, with `numpy` on the host for concrete, strongly
+    typed arrays (an eager `jax.numpy` call would compile an XLA program per leaf
+    shape) and with `jax.numpy` otherwise."""
+
+    def one(a: Any) -> Any:
+        if is_tracer(a) or getattr(a, "weak_type", False):
+            return f(jnp, a)
+        return jax.device_put(np.array(f(np, np.asarray(a))))
+
+    return jax.tree.map(one, tree)
+
+
 def _broadcast(tree: PyTree, size: int) -> PyTree:
     """Every leaf of `tree` repeated along a new leading axis of `size`."""
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (size, *jnp.shape(a))), tree)
+    return _leafwise(tree, lambda xp, a: xp.broadcast_to(a, (size, *xp.shape(a))))
 
 
 def _first_sample(args: tuple[Any, ...], batch_size: int) -> tuple[Any, ...]:
@@ -679,7 +707,7 @@ def _first_sample(args: tuple[Any, ...], batch_size: int) -> tuple[Any, ...]:
                 f"with vmap=True every example input needs a leading batch axis of size "
                 f"batch_size={batch_size}, got an array shaped {shape}"
             )
-    return tuple(jax.tree.map(lambda a: a[0], args))
+    return tuple(_leafwise(args, lambda xp, a: a[0]))
 
 
 def compile(

@@ -6,6 +6,7 @@ import operator
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ._common import init_param
@@ -62,6 +63,13 @@ class _Leaky(brainstate.nn.Module):
     def _zeros(self, batch_size: int | None) -> Array:
         return init_param(brainstate.nn.init.ZeroInit(), self.size, batch_size)
 
+    def _rest(self, batch_size: int | None) -> Array:
+        """The membrane at ``v_reset``, filled on the host: an eager ``zeros + v_reset``
+        would compile an XLA program of its own."""
+        zero = self._zeros(batch_size)
+        rest: Array = jax.device_put(np.full(zero.shape, self.v_reset, zero.dtype))
+        return rest
+
     def _last(self, s: Array) -> Array:
         """The previous step's spikes as the reset term sees them."""
         return jax.lax.stop_gradient(s) if self.detach_reset else s
@@ -111,10 +119,10 @@ class LIF(_Leaky):
         super().__init__(size, tau, dt, R, v_th, v_reset, surrogate, detach_reset, name)
 
     def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.V = brainstate.HiddenState(self._zeros(batch_size) + self.v_reset)
+        self.V = brainstate.HiddenState(self._rest(batch_size))
 
     def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        self.V.value = self._zeros(batch_size) + self.v_reset
+        self.V.value = self._rest(batch_size)
 
     def _spike(self, v: Array) -> Array:
         return spike((v - self.v_th) / (self.v_th - self.v_reset), self.surrogate)
@@ -155,14 +163,12 @@ class ALIF(_Leaky):
         self.beta = beta
 
     def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        zero = self._zeros(batch_size)
-        self.V = brainstate.HiddenState(zero + self.v_reset)
-        self.a = brainstate.HiddenState(zero)
+        self.V = brainstate.HiddenState(self._rest(batch_size))
+        self.a = brainstate.HiddenState(self._zeros(batch_size))
 
     def reset_state(self, batch_size: int | None = None, **kwargs: object) -> None:
-        zero = self._zeros(batch_size)
-        self.V.value = zero + self.v_reset
-        self.a.value = zero
+        self.V.value = self._rest(batch_size)
+        self.a.value = self._zeros(batch_size)
 
     def _spike(self, v: Array, a: Array) -> Array:
         return spike((v - self.v_th - self.beta * a) / (self.v_th - self.v_reset), self.surrogate)
