@@ -198,7 +198,8 @@ def test_initial_traces_compile_nothing() -> None:
                 learner = etrax.compile(model, rule, x0, batch_size=2, vmap=vmap)
             assert count.count == programs, (rule.name, vmap)
             jitted = _jitted_init(learner, vmap)
-            assert jax.tree.structure(learner.traces) == jax.tree.structure(jitted)
+            treedef: Any = jax.tree.structure(learner.traces)  # PyTreeDef is untyped
+            assert treedef == jax.tree.structure(jitted)
             for a, b in zip(jax.tree.leaves(learner.traces), jax.tree.leaves(jitted), strict=True):
                 assert (a.shape, a.dtype) == (b.shape, b.dtype)
                 np.testing.assert_array_equal(a, b)
