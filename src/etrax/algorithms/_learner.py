@@ -77,11 +77,13 @@ class OnlineLearner:
     over the batch).
 
     Each method runs one jitted program, built on its first call and reused after:
-    ``etrace_grad``'s holds the online driver, the mask's per-step weights, the loss
-    totals and the checks behind `SilentNetworkWarning`, so a first call compiles one
-    XLA program and a call with new values (a new mask included) none. Pass the same
-    loss function object every call (a new function, e.g. a new ``lambda``, builds a
-    new program).
+    ``etrace_grad``'s holds the online driver, the mask's per-step weights and the loss
+    totals (off the CPU also the checks behind `SilentNetworkWarning`; on the CPU they
+    read the results in host memory), so a first call compiles one XLA program and a
+    call with new values (a new mask included) none. Building the learner compiles
+    nothing when the rule's initial traces are constants (every built-in rule's are
+    zeros). Pass the same loss function object every call (a new function, e.g. a new
+    ``lambda``, builds a new program).
 
     !!! Example
 
