@@ -1,8 +1,13 @@
 """Graph structure on the model catalogue (groups, relations, exclusions, report)."""
 
+from collections.abc import Callable
+from typing import Any
+
 import brainstate
+import jax
 import jax.numpy as jnp
 import pytest
+from jaxtyping import Array
 
 import etrax
 from etrax import DiagnosticKind as K
@@ -189,3 +194,40 @@ def test_leaky_rate_readout_is_traced() -> None:
     graph = etrax.compile_etrace_graph(model, jnp.ones(3))
     assert [r.weight_path for r in graph.hidden_param_op_relations] == [("weight",)]
     assert graph.hidden_groups[0].is_diagonal_recurrence
+
+
+class _TwoGRULayers(brainstate.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.l1 = etrax.nn.GRUCell(10, hidden)
+        self.l2 = etrax.nn.GRUCell(hidden, hidden)
+        self.out = etrax.nn.Linear(hidden, 1)
+
+    def update(self, x: Array) -> Array:
+        return self.out(self.l2(self.l1(x)))
+
+
+def test_stacked_layers_do_not_evaluate_the_step_twice() -> None:
+    """Where two perturbation environments meet at a new hidden value (layer 2's, which
+    layer 1's crossed effect also reaches), the own environment's effect is its
+    perturbation itself, so the step up to that value (layer 2's weight products) is
+    not evaluated a second time, forward or backward. XLA's FLOP count of one step's
+    signals and instantaneous gradients, over the forward step's, on two 64-unit GRU
+    layers: 2.55 (it was 3.19 with the second evaluation)."""
+    from etrax.algorithms._drivers import _step_grads, _with_aux
+    from etrax.executor import forward_pure
+
+    model, x = build(_TwoGRULayers, 64, batch=16, n_in=10)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    loss = _with_aux(lambda y, t: jnp.sum((y - t) ** 2), False)
+    target = jnp.zeros((16, 1), x.dtype)
+
+    def flops(fn: Callable[[etrax.ModelState, Array], Any]) -> float:
+        cost = jax.jit(fn).lower(state, x).compile().cost_analysis()
+        assert cost is not None
+        return float(cost["flops"])
+
+    step = flops(lambda st, x: _step_grads(graph, st, x, target, loss))
+    forward = flops(lambda st, x: forward_pure(graph, st, (x,)))
+    assert step / forward < 2.8, step / forward

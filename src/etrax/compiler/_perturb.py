@@ -202,6 +202,9 @@ class _Run:
         self.envs: dict[Hashable, dict[Var, Any]] = {_CROSSED: {}, _OWN: {}}
         self.blocked: dict[Var, Any] = {}
         self.totals: dict[Var, Any] = {}
+        # (environment, node) -> the perturbations added there, while the environment's
+        # value at that node is still ``orig + perturbations`` (see `total`)
+        self.added: dict[tuple[Hashable, Var], tuple[Any, Any]] = {}
         for v, k in b.hidden_in.items():
             if k in b.direct:
                 self.blocked[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
@@ -270,16 +273,19 @@ class _Run:
         done = self.totals.get(v)
         if done is not None:
             return done
-        reached = [env[v] for env in self.envs.values() if v in env]
+        reached = [(key, env[v]) for key, env in self.envs.items() if v in env]
         if not reached:
             value = self.orig[v]
         else:
             # one environment's value stands in for ``orig`` (equal in value: the
             # perturbations are zero), so ``orig``'s own evaluation downstream of the
             # hidden values is left for dead-code elimination
-            value = reached[0]
-            for other in reached[1:]:
-                e = other - self.orig[v]
+            value = reached[0][1]
+            for key, other in reached[1:]:
+                # a node's ``orig + p`` has the effect ``p`` itself: then ``orig`` (the
+                # step's weight products up to here) is not evaluated a second time
+                node, added = self.added.get((key, v), (None, None))
+                e = added if node is other else other - self.orig[v]
                 value = value + (e - jax.lax.stop_gradient(e))
         self.totals[v] = value
         return value
@@ -289,9 +295,14 @@ class _Run:
         and add the group's perturbation."""
         b = self.b
         g = b.node_group[v]
+        dtype = jnp.result_type(self.orig[v])
+        added = [self.perturbs[k].astype(dtype) for k in b.node_of[v]]
         p = self.orig[v]
-        for k in b.node_of[v]:
-            p = p + self.perturbs[k].astype(jnp.result_type(self.orig[v]))
+        for a in added:
+            p = p + a
+        own: Hashable = _OWN if g.link is None else ("M", g.index)
+        if added:
+            self.added[(own, v)] = (p, sum(added[1:], added[0]))
         if g.link is None:
             for key in self.envs:
                 if key is not _CROSSED:
