@@ -52,6 +52,15 @@ __all__ = [
 ]
 
 
+# Equations linear in their inputs that only move, cast or add values: an effect passes
+# through them as the equation applied to the effect (see `_Run.carry_effect`).
+_LINEAR = frozenset(
+    {
+        "concatenate", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+        "slice", "convert_element_type", "copy", "copy_p", "add", "add_any", "sub", "neg",
+    }
+)  # fmt: skip
+
 _CROSSED: Hashable = "crossed"
 _OWN: Hashable = "own"
 
@@ -255,9 +264,32 @@ class _Run:
                 for v, val in zip(eqn.outvars, self.bind(env, i, eqn), strict=True):
                     if not isinstance(v, DropVar):
                         env[v] = val
+                self.carry_effect(k, eqn)
         for v in outs:
             if v in self.b.node_of:
                 self.node(v)
+
+    def carry_effect(self, key: Hashable, eqn: Any) -> None:
+        """Through a linear structural equation (a concatenation, reshape, slice, sum,
+        ...) whose environment inputs all have a known effect, the output's effect is the
+        equation applied to those effects (zeros for the other inputs), so that
+        `total` needs no ``orig`` there either (GRU cells concatenate ``[x; h]``)."""
+        if eqn.primitive.name not in _LINEAR or len(eqn.outvars) != 1:
+            return
+        env = self.envs[key]
+        effects = []
+        for atom in eqn.invars:
+            if isinstance(atom, Var) and atom in env:
+                node, added = self.added.get((key, atom), (None, None))
+                if node is not env[atom]:
+                    return
+                effects.append(added)
+            else:
+                value = atom.val if isinstance(atom, Literal) else self.orig[atom]
+                effects.append(jnp.zeros_like(value))
+        out = eqn.outvars[0]
+        if not isinstance(out, DropVar):
+            self.added[(key, out)] = (env[out], bind_equation(eqn, effects)[0])
 
     def effect(self, key: Hashable, v: Var) -> Any:
         env = self.envs.get(key, {})
@@ -266,7 +298,10 @@ class _Run:
     def total(self, v: Var) -> Any:
         """``orig`` plus every effect that reaches `v`. Each effect enters as
         ``e - stop_gradient(e)``: exactly zero in value (so the primal outputs equal the
-        unperturbed step bit for bit) and ``e``'s derivative.
+        unperturbed step bit for bit) and ``e``'s derivative. Where an environment's
+        value is a node's ``orig + p`` (or a linear equation of such values), ``e`` is
+        formed from ``p`` itself (`node`, `carry_effect`); otherwise it is
+        ``env[v] - orig[v]``, which evaluates ``orig`` up to `v` a second time.
 
         Formed once per variable: a variable's environments are final once its
         equation has run (`equation` and `node` write only the equation's outputs)."""
