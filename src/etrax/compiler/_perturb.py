@@ -211,8 +211,9 @@ class _Run:
         self.envs: dict[Hashable, dict[Var, Any]] = {_CROSSED: {}, _OWN: {}}
         self.blocked: dict[Var, Any] = {}
         self.totals: dict[Var, Any] = {}
-        # (environment, node) -> the perturbations added there, while the environment's
-        # value at that node is still ``orig + perturbations`` (see `total`)
+        # (environment, variable) -> (its value there, its effect), for values that are
+        # a node's ``orig + perturbations`` or a linear equation of such values: their
+        # effect is known without ``orig`` (see `node`, `carry_effect` and `total`)
         self.added: dict[tuple[Hashable, Var], tuple[Any, Any]] = {}
         for v, k in b.hidden_in.items():
             if k in b.direct:
