@@ -459,8 +459,9 @@ class OnlineLearner:
             return state, traces, grads, shown, aux, silent
 
         # On the CPU the results are in host memory: reading them there is cheaper than
-        # a reduction per gradient leaf in the program (fewer kernels to compile).
-        on_host = jax.default_backend() == "cpu"
+        # a reduction per gradient leaf in the program (fewer kernels to compile). With
+        # several processes an array is not all in this one's memory: in the program.
+        on_host = jax.default_backend() == "cpu" and jax.process_count() == 1
         key = (
             "grad", weighted_fn, weighted, reduction, has_aux, loss_output, window,
             modulators is None, on_host,
