@@ -26,6 +26,7 @@ from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
 from ..compiler import ETraceGraph, WeightRule
+from ..compiler._perturbation import zero_perturbation
 from ..executor import (
     ModelState,
     StepJacobians,
@@ -222,8 +223,7 @@ def _step_grads(
     assert hp is not None
     flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
     f = functools.partial(_perturbed_outputs, graph, flat)
-    # negative zeros: ``x + (−0.0)`` is ``x`` bit for bit, so the outputs equal the step's
-    zeros = [jnp.full_like(state.hidden[p], -0.0) for p in hp.perturb_hidden_paths]
+    zeros = [zero_perturbation(state.hidden[p]) for p in hp.perturb_hidden_paths]
     deltas = _zero_uses(graph, state)
     eps = hp.init_eps_data() if defer else []
     out, vjp_fn, (hidden, other, hoisted, operands) = jax.vjp(
@@ -275,6 +275,10 @@ def deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
     hold more elements than the per-step operands and output cotangents kept for it
     (a readout to a few outputs, say, is cheaper to contract at every step than to
     stack)."""
+    return graph.memo.get("deferred_eqns", lambda: _deferred_eqns(graph))
+
+
+def _deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
     hp = graph.hidden_perturb
     if hp is None:
         return frozenset()

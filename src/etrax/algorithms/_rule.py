@@ -32,13 +32,7 @@ from ._axes import (
     Symmetric,
     as_dtype,
 )
-from ._base import (
-    EffGrads,
-    OnlineAlgorithm,
-    Weights,
-    check_chunk_steps,
-    check_relations,
-)
+from ._base import EffGrads, OnlineAlgorithm, Weights, check_chunk_steps, check_relations
 
 __all__ = ["LearningRule", "TraceFactorisation"]
 

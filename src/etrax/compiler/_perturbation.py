@@ -12,7 +12,14 @@ from .._typing import Path, Shape
 from ._group import HiddenGroup
 from ._jaxpr import Program
 
-__all__ = ["HiddenPerturbation"]
+__all__ = ["HiddenPerturbation", "zero_perturbation"]
+
+
+def zero_perturbation(like: Array) -> Array:
+    """A zero perturbation shaped, typed and sharded like `like` (varying under
+    ``shard_map`` as it does): a negative zero, since ``x + (−0.0)`` is ``x`` bit for bit
+    (``−0.0 + 0.0`` is ``+0.0``), so a perturbed step's outputs equal the step's."""
+    return jnp.full_like(like, -0.0)
 
 
 class HiddenPerturbation(eqx.Module):
@@ -59,8 +66,7 @@ class HiddenPerturbation(eqx.Module):
         return self.program.closed
 
     def init_perturb_data(self) -> list[Array]:
-        """Zero perturbations: negative zeros, since ``x + (−0.0)`` is ``x`` bit for bit
-        (``−0.0 + 0.0`` is ``+0.0``), so the perturbed step's outputs equal the step's."""
+        """Zero perturbations (negative zeros, as `zero_perturbation`)."""
         return [jnp.full(s, -0.0, d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
 
     def init_use_data(self) -> list[Array]:
@@ -99,7 +105,7 @@ class HiddenPerturbation(eqx.Module):
                 f"{list(self.perturb_hidden_paths)}), got {len(perturb_data)}"
             )
         if old_perturb_data is None:
-            old_perturb_data = [jnp.full_like(p, -0.0) for p in perturb_data]
+            old_perturb_data = [zero_perturbation(p) for p in perturb_data]
         if use_data is None:
             use_data = self.init_use_data()
         if eps_data is None:

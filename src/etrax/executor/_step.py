@@ -18,6 +18,7 @@ from .._errors import StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree, VarId
 from ..compiler import ETraceGraph, StateKind
+from ..compiler._perturbation import zero_perturbation
 from ._state import (
     ModelState,
     cast_inputs,
@@ -241,9 +242,7 @@ def step_pure(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...], with
         main = (out, [hidden[p] for p in hp.perturb_hidden_paths])
         return main, (hidden, other, hoisted)
 
-    # zeros shaped and sharded like the old hidden values (varying under shard_map);
-    # negative zeros, since ``x + (−0.0)`` is ``x`` bit for bit (``−0.0 + 0.0`` is not)
-    zeros = [jnp.full_like(state.hidden[p], -0.0) for p in hp.perturb_hidden_paths]
+    zeros = [zero_perturbation(state.hidden[p]) for p in hp.perturb_hidden_paths]
     (out, hidden_out), vjp_fn, (hidden, other, hoisted) = jax.vjp(
         perturbed, zeros, zeros, has_aux=True
     )
