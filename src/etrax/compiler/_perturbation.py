@@ -15,10 +15,11 @@ from ._jaxpr import Program
 __all__ = ["HiddenPerturbation", "zero_perturbation"]
 
 
-def zero_perturbation(like: Array) -> Array:
-    """A zero perturbation shaped, typed and sharded like `like` (varying under
-    ``shard_map`` as it does): a negative zero, since ``x + (−0.0)`` is ``x`` bit for bit
-    (``−0.0 + 0.0`` is ``+0.0``), so a perturbed step's outputs equal the step's."""
+def zero_perturbation(like: Any) -> Any:
+    """A zero perturbation shaped, typed and sharded like `like` (an array, or a value
+    with units; varying under ``shard_map`` as it does): a negative zero, since
+    ``x + (−0.0)`` is ``x`` bit for bit (``−0.0 + 0.0`` is ``+0.0``), so a perturbed
+    step's outputs equal the step's."""
     return jnp.full_like(like, -0.0)
 
 
