@@ -411,7 +411,9 @@ def build_program(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
 
         def online(state: etrax.ModelState, traces: Any, xs: Array, targets: Array) -> Any:
             grads, aux = etrax.online_grad(graph, algo, state, traces, xs, targets, mse)
-            return grads, aux["state"], aux["traces"]
+            # what changed: returning the unchanged weights would copy them at every call
+            # (braintrace's program returns nothing for states its step only reads)
+            return grads, aux["state"].hidden, aux["state"].other, aux["traces"]
 
         return _aot(online, state, algo.init(graph, state), data.xs, data.targets)
     learner = _braintrace_learner(method, make_model(lib, cfg), cfg, data.x0)

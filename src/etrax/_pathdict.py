@@ -47,8 +47,14 @@ def _flatten(d: PathDict[Any]) -> tuple[list[tuple[Any, Any]], tuple[Path, ...]]
     return [(jax.tree_util.DictKey(k), d[k]) for k in keys], keys
 
 
+def _flatten_fast(d: PathDict[Any]) -> tuple[tuple[Any, ...], tuple[Path, ...]]:
+    """As `_flatten` without the key objects: what every jitted call does to its
+    arguments (without it JAX would build and drop a `DictKey` per entry)."""
+    return tuple(d.values()), tuple(d.keys())
+
+
 def _unflatten(keys: tuple[Path, ...], values: Iterable[Any]) -> PathDict[Any]:
     return PathDict(zip(keys, values, strict=True))
 
 
-jax.tree_util.register_pytree_with_keys(PathDict, _flatten, _unflatten)
+jax.tree_util.register_pytree_with_keys(PathDict, _flatten, _unflatten, _flatten_fast)

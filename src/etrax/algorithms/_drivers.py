@@ -408,6 +408,24 @@ def _finish(
     return leaf_grads_to_params(params, leaf_grads)
 
 
+Moving = tuple[PathDict[Any], PathDict[ArrayTree]]
+"""The hidden and other values of a `ModelState`: what changes over a sequence."""
+
+
+def moving_parts(state: ModelState) -> Moving:
+    """What of `state` a loop over steps carries, and a compiled driver returns: its
+    hidden and other values. The weights, which do not change within a call, are
+    closed over instead, and the drivers' wrappers put the given ones back: XLA copies
+    an argument that a loop carries, and one that the program returns, at every call
+    (all of a large model's weights, for nothing)."""
+    return state.hidden, state.other
+
+
+def rejoin(params: PathDict[ArrayTree], moving: Moving) -> ModelState:
+    """The state of `params` and a loop's carried values (`moving_parts`)."""
+    return ModelState(params, *moving)
+
+
 def _zero_uses(graph: ETraceGraph, state: ModelState) -> list[Array]:
     """Zero gradients of the injected uses' weight values (varying like the state)."""
     zeros = [jnp.zeros(u.shape, u.dtype) for u in plan_of(graph).instant_uses]
@@ -497,17 +515,20 @@ def _online_impl(
 
     direct = bool(graph.hidden_perturb is not None and graph.hidden_perturb.direct_paths)
 
+    # closed over, not carried (`moving_parts`); varying like the carry under shard_map
+    params = vary_tree(state.params, state, xs)
+
     def signal_step(carry: Any, inp: Any) -> Any:
-        st, acc_pi, acc_sub = carry
+        moving, acc_pi, acc_sub = carry
         x, tgt, mod = inp
         loss, st, jac, sig, old, g_pi, cot, deferred = _step_grads(
-            graph, st, x, tgt, loss_fn, algo.needs_point, defer=K > 1
+            graph, rejoin(params, moving), x, tgt, loss_fn, algo.needs_point, defer=K > 1
         )
         # the within-step traced part that the instantaneous gradient also holds is
         # counted with the true signal; the traces then learn from the rule's signal
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
         sig, old = algo.learning_signals(graph, sig, old, cot, mod)
-        return (st, _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old, deferred)
+        return (moving_parts(st), _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old, deferred)
 
     zeros = zeros_eff(graph, dtype)
     if K == 1:
@@ -523,8 +544,10 @@ def _online_impl(
             acc_eff = add_eff(acc_eff, algo.eff_grads(graph, tr, sig, weights))
             return (st, tr, acc_eff, acc_pi, acc_sub), loss
 
-        init = vary_tree((state, traces, zeros, _zero_uses(graph, state), zeros), state, xs)
-        (state, traces, acc_eff, acc_pi, acc_sub), losses = jax.lax.scan(
+        init = vary_tree(
+            (moving_parts(state), traces, zeros, _zero_uses(graph, state), zeros), state, xs
+        )
+        (moving, traces, acc_eff, acc_pi, acc_sub), losses = jax.lax.scan(
             body, init, (xs, targets, modulators)
         )
     else:
@@ -552,16 +575,20 @@ def _online_impl(
                 acc_eff = add_eff(acc_eff, g)
             # the instantaneous gradients of the uses inside equations: one product per
             # use over the chunk's stacked steps (off the per-step critical path)
-            acc_pi = _add(acc_pi, _deferred_use_grads(graph, st.params, deferred))
+            acc_pi = _add(acc_pi, _deferred_use_grads(graph, params, deferred))
             return (st, tr, acc_eff, acc_pi, acc_sub), loss
 
-        carry = vary_tree((state, traces, zeros, _zero_uses(graph, state), zeros), state, xs)
+        carry = vary_tree(
+            (moving_parts(state), traces, zeros, _zero_uses(graph, state), zeros), state, xs
+        )
         carry, losses = _scan_blocks(
             chunk_body, carry, (xs, targets, modulators), _block_length(T, K), T
         )
-        state, traces, acc_eff, acc_pi, acc_sub = carry
-    grads = _finish(graph, state.params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
-    return grads, _split_losses({"losses": losses, "state": state, "traces": traces}, has_aux)
+        moving, traces, acc_eff, acc_pi, acc_sub = carry
+    state = rejoin(params, moving)
+    grads = _finish(graph, params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
+    aux = {"losses": losses, "state": moving_parts(state), "traces": traces}
+    return grads, _split_losses(aux, has_aux)
 
 
 def _split_losses(aux: dict[str, Any], has_aux: bool) -> dict[str, Any]:
@@ -586,6 +613,7 @@ def _window_impl(
     synthesiser: SyntheticGradient | None,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     weights = operand_values(graph, state.params)
+    params = vary_tree(state.params, state, xs)  # closed over, not carried (`moving_parts`)
     T = jax.tree.leaves(xs)[0].shape[0]
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
     rate = algo.synthetic_rate
@@ -598,24 +626,24 @@ def _window_impl(
         return [g.concat_hidden([hidden[p] for p in g.hidden_paths]) for g in graph.hidden_groups]
 
     def run_window(carry: Any, inp: Any) -> Any:
-        st, tr, acc_eff, acc_params, synth = carry
+        moving, tr, acc_eff, acc_params, synth = carry
+        st = rejoin(params, moving)
         xw, tw, lw = inp
 
         def window_loss(params: PathDict[PyTree], hidden: PathDict[PyTree]) -> Any:
-            def body(s: ModelState, a: Any) -> Any:
+            def body(m: Any, a: Any) -> Any:
                 x, t = a
                 args = as_args(graph, x)
+                s = rejoin(params, m)
                 out, s2, jac = step_pure(graph, s, args, False)
                 if algo.needs_point:
                     jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(s, args))
-                return s2, (loss_fn(out, t), jac)
+                return moving_parts(s2), (loss_fn(out, t), jac)
 
-            s_end, ((losses, loss_aux), jacs) = jax.lax.scan(
-                body, ModelState(params, hidden, st.other), (xw, tw)
-            )
-            return (jnp.sum(losses), slabs(s_end.hidden)), ((losses, loss_aux), jacs, s_end)
+            m_end, ((losses, loss_aux), jacs) = jax.lax.scan(body, (hidden, st.other), (xw, tw))
+            return (jnp.sum(losses), slabs(m_end[0])), ((losses, loss_aux), jacs, m_end)
 
-        (total, exits), vjp_fn, (losses, jacs, s_end) = jax.vjp(
+        (total, exits), vjp_fn, (losses, jacs, m_end) = jax.vjp(
             window_loss, st.params, st.hidden, has_aux=True
         )
         one, zero = vary_like(jnp.ones((), dtype), total), vary_like(jnp.zeros((), dtype), total)
@@ -642,18 +670,22 @@ def _window_impl(
             return algo.update(graph, t_, jac, weights), None
 
         tr, _ = jax.lax.scan(advance, tr, jacs)
-        return (s_end, tr, acc_eff, _add(acc_params, g_params), synth), losses
+        return (m_end, tr, acc_eff, _add(acc_params, g_params), synth), losses
 
     carry = vary_tree(
-        (state, traces, zeros_eff(graph, dtype), zeros_like_params(state.params), synthesiser),
+        (
+            moving_parts(state), traces, zeros_eff(graph, dtype), zeros_like_params(state.params),
+            synthesiser,
+        ),
         state,
         xs,
-    )
+    )  # fmt: skip
     carry, losses = _scan_blocks(run_window, carry, (xs, targets, later), window, T)
-    state, traces, acc_eff, acc_params, synthesiser = carry
+    moving, traces, acc_eff, acc_params, synthesiser = carry
+    state = rejoin(params, moving)
     traced = operands_to_params(graph, acc_eff, state.params, weights)
     grads = add_param_grads(traced, acc_params)
-    aux: dict[str, Any] = {"losses": losses, "state": state, "traces": traces}
+    aux: dict[str, Any] = {"losses": losses, "state": moving_parts(state), "traces": traces}
     if synthesiser is not None:
         aux["synthesiser"] = synthesiser
     return grads, aux
@@ -927,6 +959,7 @@ def online_grad(
     grads, aux = _online_jit(
         graph, loss_fn, window, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
     )
+    aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
     return OnlineResult(grads, cast("OnlineAux[TraceT]", aux))
 
 
@@ -999,20 +1032,24 @@ def _evolve_impl(
     state: ModelState,
     traces: TraceT,
     xs: Any,
-) -> tuple[ModelState, TraceT, PyTree]:
+) -> tuple[Moving, TraceT, PyTree]:
     weights = operand_values(graph, state.params)
 
+    params = vary_tree(state.params, state, xs)  # closed over, not carried (`moving_parts`)
+
     def body(carry: Any, x: Any) -> Any:
-        st, tr = carry
+        moving, tr = carry
+        st = rejoin(params, moving)
         args = as_args(graph, x)
         out, new, jac = step_pure(graph, st, args, False)
         if algo.needs_point:
             jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(st, args))
         tr = algo.update(graph, tr, jac, weights)
-        return (new, tr), (out if outputs else None)
+        return (moving_parts(new), tr), (out if outputs else None)
 
-    (state, traces), outs = jax.lax.scan(body, vary_tree((state, traces), state, xs), xs)
-    return state, traces, outs
+    init = vary_tree((moving_parts(state), traces), state, xs)
+    (moving, traces), outs = jax.lax.scan(body, init, xs)
+    return moving, traces, outs
 
 
 _evolve_jit = jax.jit(_evolve_impl, static_argnums=(0, 1))
@@ -1059,19 +1096,20 @@ def online_evolve(
                 f"traces do not match {algo.name}.init(graph, state) for this graph"
             )
         _remember(graph, key)
-    return _evolve_jit(graph, return_outputs, algo, state, traces, xs)  # type: ignore[no-any-return]
+    moving, traces, outs = _evolve_jit(graph, return_outputs, algo, state, traces, xs)
+    return rejoin(state.params, moving), traces, outs
 
 
 def _bptt_impl(
     graph: ETraceGraph, loss_fn: LossFn, state: ModelState, xs: Any, targets: Any
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
     def total(params: PathDict[PyTree]) -> Any:
-        def body(s: ModelState, inp: Any) -> Any:
+        def body(m: Any, inp: Any) -> Any:
             x, t = inp
-            out, s2 = forward_pure(graph, s, as_args(graph, x))
-            return s2, loss_fn(out, t)
+            out, s2 = forward_pure(graph, rejoin(params, m), as_args(graph, x))
+            return moving_parts(s2), loss_fn(out, t)
 
-        final, losses = jax.lax.scan(body, state.replace_params(params), (xs, targets))
+        final, losses = jax.lax.scan(body, moving_parts(state), (xs, targets))
         return jnp.sum(losses), (losses, final)
 
     (_, (losses, final)), grads = jax.value_and_grad(total, has_aux=True)(state.params)
@@ -1102,4 +1140,5 @@ def bptt_grad(
         _check_loss(graph, targets, loss_fn)
         _remember(graph, key)
     grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets)
+    aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
     return BPTTResult(grads, cast(BPTTAux, aux))

@@ -32,7 +32,16 @@ from ..compiler import (
 )
 from ..executor import ModelState, state_of, write_back
 from ._base import OnlineAlgorithm, check_relations
-from ._drivers import AuxLossFn, AuxT, LossFn, bptt_grad, online_evolve, online_grad
+from ._drivers import (
+    AuxLossFn,
+    AuxT,
+    LossFn,
+    bptt_grad,
+    moving_parts,
+    online_evolve,
+    online_grad,
+    rejoin,
+)
 from ._presets import by_name
 
 __all__ = ["LossOutput", "OnlineLearner", "compile"]
@@ -456,7 +465,7 @@ class OnlineLearner:
             aux = self._over_batch(aux, "time_first")
             shown = {"weighted": losses, "per_step": raw, "total": jnp.sum(losses)}[loss_output]
             silent = None if on_host else self._silence(before, state, grads, jnp)
-            return state, traces, grads, shown, aux, silent
+            return moving_parts(state), traces, grads, shown, aux, silent
 
         # On the CPU the results are in host memory: reading them there is cheaper than
         # a reduction per gradient leaf in the program (fewer kernels to compile). With
@@ -467,9 +476,10 @@ class OnlineLearner:
             modulators is None, on_host,
         )  # fmt: skip
         before = state_of(self.graph)
-        state, traces, grads, shown, aux, silent = self._program(key, program)(
+        moving, traces, grads, shown, aux, silent = self._program(key, program)(
             before, self.traces, xs, ys, mask, modulators
         )
+        state = rejoin(before.params, moving)
         self._warn_if_silent(*(self._silence(before, state, grads, np) if on_host else silent))
         write_back(self.graph, state)
         self.traces = traces
@@ -590,12 +600,13 @@ class OnlineLearner:
 
         def program(state: ModelState, traces: PyTree, xs: Any) -> Any:
             state, traces, outs = self._run(run, state, traces, xs, 1)
-            return state, traces, self._over_batch(outs, "time_first")
+            return moving_parts(state), traces, self._over_batch(outs, "time_first")
 
-        state, traces, outs = self._program(("evolve", return_outputs), program)(
-            state_of(self.graph), self.traces, xs
+        before = state_of(self.graph)
+        moving, traces, outs = self._program(("evolve", return_outputs), program)(
+            before, self.traces, xs
         )
-        write_back(self.graph, state)
+        write_back(self.graph, rejoin(before.params, moving))
         self.traces = traces
         return outs if return_outputs else None
 
@@ -612,12 +623,12 @@ class OnlineLearner:
             return st, tr, jax.tree.map(lambda a: a[0], outs)
 
         def program(state: ModelState, traces: PyTree, x: Any) -> Any:
-            return self._run(run, state, traces, x, 0)
+            state, traces, out = self._run(run, state, traces, x, 0)
+            return moving_parts(state), traces, out
 
-        state, traces, out = self._program(("call",), program)(
-            state_of(self.graph), self.traces, one
-        )
-        write_back(self.graph, state)
+        before = state_of(self.graph)
+        moving, traces, out = self._program(("call",), program)(before, self.traces, one)
+        write_back(self.graph, rejoin(before.params, moving))
         self.traces = traces
         return out
 
@@ -643,12 +654,11 @@ class OnlineLearner:
 
         def program(state: ModelState, xs: Any, ys: Any) -> Any:
             state, _, (grads, losses, _, _) = self._run(run, state, None, (xs, ys), (1, 1))
-            return state, self._over_batch((grads, losses), "sum")
+            return moving_parts(state), self._over_batch((grads, losses), "sum")
 
-        state, (grads, losses) = self._program(("bptt", loss_fn), program)(
-            state_of(self.graph), xs, ys
-        )
-        write_back(self.graph, state)
+        before = state_of(self.graph)
+        moving, (grads, losses) = self._program(("bptt", loss_fn), program)(before, xs, ys)
+        write_back(self.graph, rejoin(before.params, moving))
         return (grads, losses) if return_value else grads
 
     def save(self, path: str | pathlib.Path | BinaryIO, opt_state: PyTree = None) -> None:
