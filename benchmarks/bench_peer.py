@@ -51,6 +51,9 @@ Kind = Literal["GRU", "LSTM", "LIF", "ALIF"]
 Lib = Literal["etrax", "braintrace"]
 LIBS: tuple[Lib, ...] = ("etrax", "braintrace")
 METHODS = ("forward", "BPTT", "D-RTRL", "pp-prop", "e-prop")
+FIXED_WR = "pp-prop, W_r fixed"
+"""etrax's pp-prop on GRU models whose reset-gate weights are constants: the work that
+braintrace's pp-prop does (it leaves `Wr` at a zero gradient), timed beside both."""
 N_IN = 10
 DECAY = 0.9  # pp-prop's decay
 KAPPA = 0.9  # e-prop's filter
@@ -397,6 +400,30 @@ def _initialised(lib: Lib, cfg: Config) -> brainstate.nn.Module:
     return model
 
 
+class FixedLinear(brainstate.nn.Module):
+    """``x W + b`` with constant `W` and `b` (no ParamState: nothing to learn)."""
+
+    def __init__(self, weight: Array, bias: Array | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def update(self, x: ArrayLike) -> Array:
+        y = jnp.asarray(x) @ self.weight
+        return y if self.bias is None else y + self.bias
+
+
+def fix_reset_gates(model: brainstate.nn.Module) -> brainstate.nn.Module:
+    """`model` (a GRU `Stack`) with each cell's reset-gate layer replaced by a
+    `FixedLinear` of its current values."""
+    assert isinstance(model, Stack)
+    for cell in model.cells:
+        assert isinstance(cell, etrax.nn.GRUCell)
+        value = cell.Wr.weight.value
+        fixed = FixedLinear(jnp.asarray(value["weight"]), value.get("bias"))
+        cell.Wr = fixed  # type: ignore[assignment]  # a constant layer for the Linear
+    return model
+
+
 def build_program(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
     """The compiled program of one (library, method) on fresh weights."""
     if method in ("forward", "BPTT"):
@@ -405,7 +432,10 @@ def build_program(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
             return _aot(step.forward, step.values, data.xs)
         return _aot(step.bptt, step.values, data.xs, data.targets)
     if lib == "etrax":
-        graph = etrax.compile_etrace_graph(_initialised(lib, cfg), data.x0)
+        model = _initialised(lib, cfg)
+        if method == FIXED_WR:
+            model, method = fix_reset_gates(model), "pp-prop"
+        graph = etrax.compile_etrace_graph(model, data.x0)
         algo = etrax_rule(method)
         state = etrax.state_of(graph)
 
@@ -561,7 +591,9 @@ def _interleaved(
 
 def measure(
     cfg: Config, index: int, T: int, rounds: int, min_time: float, first_repeats: int
-) -> dict[tuple[Lib, str], Measured]:
+) -> tuple[dict[tuple[Lib, str], Measured], float | None]:
+    """Every (library, method) of `cfg`; and, for GRU models, the per-step seconds of
+    etrax's pp-prop with fixed reset gates (`FIXED_WR`), interleaved with the others."""
     data = make_data(cfg, T)
     firsts: dict[tuple[Lib, str], FirstCall] = {}
     # time to first gradient first, while nothing of this size has been compiled; the
@@ -576,10 +608,14 @@ def measure(
     programs = {
         (lib, method): build_program(lib, method, cfg, data) for method in METHODS for lib in LIBS
     }
+    if cfg.model == "GRU":
+        programs["etrax", FIXED_WR] = build_program("etrax", FIXED_WR, cfg, data)
     per_call = _interleaved(programs, rounds, min_time)
-    return {
-        key: Measured(per_call[key] / T, programs[key].scratch_mib, firsts[key]) for key in programs
+    fixed = per_call.pop(("etrax", FIXED_WR), None)
+    measured = {
+        key: Measured(per_call[key] / T, programs[key].scratch_mib, firsts[key]) for key in per_call
     }
+    return measured, None if fixed is None else fixed / T
 
 
 # --- report ------------------------------------------------------------------------
@@ -690,8 +726,46 @@ def _zero_notes(results: dict[Config, dict[tuple[Lib, str], Measured]]) -> str:
     return "All-zero gradients (any size or depth):\n\n" + "\n".join(lines) + "\n"
 
 
+def _fixed_wr_section(
+    results: dict[Config, dict[tuple[Lib, str], Measured]], fixed_wr: dict[Config, float]
+) -> str:
+    """etrax's pp-prop with and without the reset-gate gradient beside braintrace's."""
+    if not fixed_wr:
+        return ""
+    rows = []
+    for cfg, fixed in fixed_wr.items():
+        e, b = results[cfg]["etrax", "pp-prop"].step_s, results[cfg]["braintrace", "pp-prop"].step_s
+        fe = results[cfg]["etrax", "forward"].step_s
+        rows.append(
+            [
+                cfg.model, str(cfg.layers), str(cfg.hidden), str(cfg.batch),
+                f"{e * 1e6:,.1f}", f"{fixed * 1e6:,.1f}", f"{b * 1e6:,.1f}",
+                _ratio(e, b), _ratio(fixed, b), _ratio(fixed, fe),
+            ]
+        )  # fmt: skip
+    return f"""
+## pp-prop with the reset-gate weight fixed
+
+braintrace's pp-prop leaves the GRU reset-gate weight `Wr` at a zero gradient; etrax
+computes its exact instantaneous gradient, which costs two weight-sized matrix products
+per step (the backward product through `Wh` and the contraction). Here etrax's pp-prop
+also runs on the same models with each `Wr` replaced by a constant (`FixedLinear`), so
+that both libraries do the same work; interleaved with the rows above.
+
+{table(FIXED_WR_HEADER, rows)}
+"""
+
+
+FIXED_WR_HEADER = [
+    "model", "L", "H", "B", "etrax pp-prop µs/step", "etrax, Wr fixed µs/step",
+    "braintrace pp-prop µs/step", "etrax / braintrace", "etrax Wr fixed / braintrace",
+    "etrax Wr fixed × fwd",
+]  # fmt: skip
+
+
 def report(
     results: dict[Config, dict[tuple[Lib, str], Measured]],
+    fixed_wr: dict[Config, float],
     T: int,
     rounds: int,
     first_repeats: int,
@@ -745,7 +819,7 @@ machines are noisy: compare ratios within this table, not absolute times across 
 ## Compiled scratch memory and time to first gradient
 
 {table(MEMORY_HEADER, memory)}
-"""
+{_fixed_wr_section(results, fixed_wr)}"""
 
 
 def plot(results: dict[Config, dict[tuple[Lib, str], Measured]], path: Path) -> None:
@@ -857,6 +931,7 @@ def run(argv: Sequence[str] = ()) -> str:
     args.out.mkdir(parents=True, exist_ok=True)
     md, png = args.out / f"peer_{tag}.md", args.out / f"peer_{tag}.png"
     results: dict[Config, dict[tuple[Lib, str], Measured]] = {}
+    fixed_wr: dict[Config, float] = {}
     start = time.perf_counter()
     text = ""
     with warnings.catch_warnings():
@@ -868,9 +943,11 @@ def run(argv: Sequence[str] = ()) -> str:
                 print(f"  budget of {args.budget:.0f} s spent: {left} configuration(s) left out")
                 break
             print(f"  {cfg.label}", flush=True)
-            results[cfg] = measure(cfg, i, steps, args.rounds, args.min_time, first_repeats)
+            results[cfg], fixed = measure(cfg, i, steps, args.rounds, args.min_time, first_repeats)
+            if fixed is not None:
+                fixed_wr[cfg] = fixed
             _clear_caches()
-            text = report(results, steps, args.rounds, first_repeats, matrix)
+            text = report(results, fixed_wr, steps, args.rounds, first_repeats, matrix)
             md.write_text(text)  # after every configuration, so a cut-off run keeps its rows
             plot(results, png)
     print(f"wrote {md} and {png} ({time.perf_counter() - start:.0f} s)")
