@@ -36,6 +36,7 @@ def typecheck(session: nox.Session) -> None:
     pip = [str(python), "-m", "pip", "install", "--quiet"]
     session.run(*pip, ".", "mypy>=1.15", external=True)
     session.run(*pip, "--no-deps", "--force-reinstall", ".", external=True)  # this checkout
+    user.mkdir(parents=True, exist_ok=True)  # not made by the venv under --install-only
     shutil.copy("typing_check/user_code.py", user / "user_code.py")
     with session.chdir(user):
         session.run(

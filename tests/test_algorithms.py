@@ -314,6 +314,29 @@ def test_sequences_continue_from_state_and_traces() -> None:
     assert rel_err(jax.tree.map(jnp.add, g1, g2), whole) <= 1e-12
 
 
+def test_drivers_hand_back_the_given_weights() -> None:
+    """The drivers' final states hold the very weight arrays they were given (a
+    compiled program that returned them would copy every weight at each call), and
+    the hidden values they return continue the sequence."""
+    case = next(c for c in CATALOGUE if c.name == "gru")
+    graph, state, xs, ts = _problem(case, 6)
+    algo = etrax.PPProp(0.9, chunk_steps=4)
+    given = jax.tree.leaves(state.params)
+    _, aux = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ts, mse)
+    windowed = etrax.online_grad(
+        graph, etrax.DRTRL(), state, etrax.DRTRL().init(graph, state), xs, ts, mse, window=2
+    )
+    evolved, _, _ = etrax.online_evolve(graph, algo, state, algo.init(graph, state), xs)
+    bptt = etrax.bptt_grad(graph, state, xs, ts, mse)
+    for final in (aux["state"], windowed.state, evolved, bptt.state):
+        assert all(a is b for a, b in zip(jax.tree.leaves(final.params), given, strict=True))
+        assert list(final.hidden) == list(state.hidden)
+    h = next(iter(state.hidden))
+    for final in (windowed.state, evolved, bptt.state):  # the same forward pass
+        np.testing.assert_allclose(final.hidden[h], aux["state"].hidden[h], rtol=0, atol=TOL)
+    assert not np.allclose(aux["state"].hidden[h], state.hidden[h])
+
+
 def test_pure_interface_matches_the_driver() -> None:
     case = next(c for c in CATALOGUE if c.name == "two_state")
     graph, state, xs, ts = _problem(case, 3)

@@ -210,6 +210,21 @@ def test_state_of_is_strongly_typed_and_ordered() -> None:
     assert list(rebuilt) == list(state.params)
 
 
+def test_pathdict_flattens_alike_with_and_without_keys() -> None:
+    """The fast flatten (every jitted call's) and the keyed one (tree paths) agree on
+    the leaves, their order and the tree structure."""
+    d = etrax.PathDict([(("b", 1), jnp.ones(2)), (("a",), {"w": jnp.zeros(3), "b": 1.0})])
+    leaves, treedef = jax.tree.flatten(d)
+    keyed, treedef_k = jax.tree_util.tree_flatten_with_path(d)
+    assert str(treedef) == str(treedef_k)
+    assert all(a is b for a, (_, b) in zip(leaves, keyed, strict=True))
+    assert [path[0] for path, _ in keyed] == [
+        jax.tree_util.DictKey(k) for k in (("b", 1),) + (("a",),) * 2
+    ]
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert isinstance(rebuilt, etrax.PathDict) and list(rebuilt) == [("b", 1), ("a",)]
+
+
 def test_paths_mixing_ints_and_strings() -> None:
     class Layers(brainstate.nn.Module):
         def __init__(self) -> None:
