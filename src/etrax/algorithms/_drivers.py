@@ -585,9 +585,8 @@ def _online_impl(
             chunk_body, carry, (xs, targets, modulators), _block_length(T, K), T
         )
         moving, traces, acc_eff, acc_pi, acc_sub = carry
-    state = rejoin(params, moving)
     grads = _finish(graph, params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
-    aux = {"losses": losses, "state": moving_parts(state), "traces": traces}
+    aux = {"losses": losses, "state": moving, "traces": traces}  # the wrapper adds the weights
     return grads, _split_losses(aux, has_aux)
 
 
@@ -682,10 +681,9 @@ def _window_impl(
     )  # fmt: skip
     carry, losses = _scan_blocks(run_window, carry, (xs, targets, later), window, T)
     moving, traces, acc_eff, acc_params, synthesiser = carry
-    state = rejoin(params, moving)
-    traced = operands_to_params(graph, acc_eff, state.params, weights)
+    traced = operands_to_params(graph, acc_eff, params, weights)
     grads = add_param_grads(traced, acc_params)
-    aux: dict[str, Any] = {"losses": losses, "state": moving_parts(state), "traces": traces}
+    aux: dict[str, Any] = {"losses": losses, "state": moving, "traces": traces}
     if synthesiser is not None:
         aux["synthesiser"] = synthesiser
     return grads, aux
