@@ -81,7 +81,8 @@ def _lowered(method: str, cfg: Config, data: Data, *, run: bool) -> tuple[Any, t
 
     def online(state: etrax.ModelState, traces: Any, xs: Array, targets: Array) -> Any:
         grads, aux = etrax.online_grad(graph, algo, state, traces, xs, targets, mse)
-        return grads, aux["state"], aux["traces"]
+        # what changed: returning the unchanged weights would copy them at every call
+        return grads, aux["state"].hidden, aux["state"].other, aux["traces"]
 
     traces = algo.init(graph, state) if run else jax.eval_shape(lambda: algo.init(graph, state))
     return jax.jit(online), (state, traces, data.xs, data.targets)
