@@ -7,6 +7,7 @@ from typing import Any
 
 import brainstate
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -526,6 +527,44 @@ def test_trace_contraction_is_the_same_on_every_backend(
     for got in (on_cpu, contracted):
         for g, want in zip(got, expected, strict=True):
             np.testing.assert_allclose(g, want, rtol=1e-12)
+
+
+def _loops(jaxpr: Any) -> int:
+    """Loops (``scan`` / ``while``) in a jaxpr, nested ones included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in ("scan", "while")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _loops(sub)
+    return count
+
+
+@pytest.mark.parametrize("kappa", [None, 0.6])
+def test_a_chunk_weighs_every_slot_in_one_loop(kappa: float | None) -> None:
+    """A D-RTRL (or filtered e-prop) chunk of a GRU at batch 16 (beyond `SHORT_AXIS`,
+    so the traces are weighed slice by slice on CPU): one backward pass over the chunk
+    for the hidden group and one slice loop for the traces of every slot (not one
+    per slot), with the per-step form's gradients."""
+    model, x = build(etrax.nn.GRUCell, 3, 4, batch=16)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    weights = etrax.algorithms.operand_values(graph, state.params)
+    assert len(etrax.algorithms._plan.plan_of(graph).slots) >= 2
+    steps, s = [], state
+    for t in range(5):
+        xt = jax.random.normal(jax.random.PRNGKey(t), x.shape)
+        y, s, jac, pullback = etrax.step_vjp(graph, s, xt)
+        sig = tuple(pullback(jnp.ones_like(y)))
+        steps.append((jac, sig, tuple(jnp.zeros_like(g) for g in sig)))
+    jacs, sigs = (_stack([st[n] for st in steps]) for n in range(2))
+    rule = etrax.DRTRL() if kappa is None else etrax.EProp(kappa)
+    traces = rule.init(graph, state)
+    program = jax.make_jaxpr(lambda tr: rule.chunk(graph, tr, jacs, sigs, weights))(traces)
+    if jax.default_backend() in etrax.algorithms._kernels.SLICE_LOOP_BACKENDS:
+        assert _loops(program.jaxpr) == 2
+    new, grads = rule.chunk(graph, traces, jacs, sigs, weights)
+    tr, expected = _per_step(rule, graph, steps, weights)
+    assert rel_err(grads, expected) <= 1e-12 and rel_err(new, tr) <= 1e-12
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 8, 9])

@@ -17,8 +17,10 @@ from ._axes import Coupled, Diagonal, Kappa, Sparse
 from ._base import EffGrads, Weights, add_into, scan_chunk
 from ._kernels import (
     ChunkBackward,
+    ChunkParts,
     chunk_backward,
-    drtrl_chunk,
+    chunk_grads,
+    drtrl_chunk_parts,
     drtrl_init,
     drtrl_solve,
     drtrl_update,
@@ -107,19 +109,25 @@ def _chunk_filtered(
     filtered: list[dict[str, Array]] = []
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
     backward = _backwards(jacs, signals, olds, kappa)
-    for slot, e, f in zip(plan.slots, traces.eps, traces.filtered, strict=True):
-        e_new, g, f_new = drtrl_chunk(
+    parts = [
+        (
             slot,
-            e,
-            jacs.x[slot.relation],
-            jacs.df[slot.relation][slot.tail],
-            backward(slot.group),
-            f,
-            kappa,
+            drtrl_chunk_parts(
+                slot,
+                e,
+                jacs.x[slot.relation],
+                jacs.df[slot.relation][slot.tail],
+                backward(slot.group),
+                f,
+                kappa,
+            ),
         )
-        assert f_new is not None
-        eps.append(e_new)
-        filtered.append(f_new)
+        for slot, e, f in zip(plan.slots, traces.eps, traces.filtered, strict=True)
+    ]
+    for (slot, part), g in zip(parts, chunk_grads(parts), strict=True):
+        assert part.filtered is not None
+        eps.append(part.eps)
+        filtered.append(part.filtered)
         add_into(out[slot.relation], g)
     return ParamTraces(tuple(eps), tuple(filtered)), tuple(out)
 
@@ -134,9 +142,10 @@ def _chunk_eps(
 ) -> tuple[tuple[dict[str, Array], ...], EffGrads]:
     """Fused chunk for factorised slots; per-step scan for the others."""
     plan = plan_of(graph)
-    new: list[dict[str, Array]] = []
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
     backward = _backwards(jacs, signals, olds)
+    new: list[dict[str, Array] | None] = []
+    fused: list[tuple[Any, ChunkParts]] = []  # weighed together at the end
     for slot, e in zip(plan.slots, eps, strict=True):
         x = jacs.x[slot.relation]
         df = jacs.df[slot.relation][slot.tail]
@@ -144,26 +153,35 @@ def _chunk_eps(
         L = signals[slot.group]
         N = None if olds is None else olds[slot.group]
         if slot.factorized:
-            e_new, g, _ = drtrl_chunk(slot, e, x, df, backward(slot.group))
-        else:
+            fused.append((slot, drtrl_chunk_parts(slot, e, x, df, backward(slot.group))))
+            new.append(None)
+            continue
 
-            def body(carry: Any, inp: Any, _slot: Any = slot) -> Any:
-                tr, acc = carry
-                xt, dft, Dt, Lt, Nt = inp
-                w = weights[_slot.relation]
-                if Nt is not None:
-                    g_old = drtrl_solve(_slot, tr, Nt, w)
-                    acc = {k: acc[k] + g_old[k] for k in acc}
-                tr = drtrl_update(_slot, tr, xt, dft, Dt, w)
-                gt = drtrl_solve(_slot, tr, Lt, w)
-                acc = {k: acc[k] + gt[k] for k in acc}
-                return (tr, acc), None
+        def body(carry: Any, inp: Any, _slot: Any = slot) -> Any:
+            tr, acc = carry
+            xt, dft, Dt, Lt, Nt = inp
+            w = weights[_slot.relation]
+            if Nt is not None:
+                g_old = drtrl_solve(_slot, tr, Nt, w)
+                acc = {k: acc[k] + g_old[k] for k in acc}
+            tr = drtrl_update(_slot, tr, xt, dft, Dt, w)
+            gt = drtrl_solve(_slot, tr, Lt, w)
+            acc = {k: acc[k] + gt[k] for k in acc}
+            return (tr, acc), None
 
-            zero = {k: jnp.zeros(slot.eff_shapes[k], df.dtype) for k in slot.keys}
-            (e_new, g), _ = jax.lax.scan(body, (e, zero), (x, df, D, L, N))
+        zero = {k: jnp.zeros(slot.eff_shapes[k], df.dtype) for k in slot.keys}
+        (e_new, g), _ = jax.lax.scan(body, (e, zero), (x, df, D, L, N))
         new.append(e_new)
         add_into(out[slot.relation], g)
-    return tuple(new), tuple(out)
+    done = iter(zip(fused, chunk_grads(fused), strict=True))
+    traces: list[dict[str, Array]] = []
+    for scanned in new:
+        if scanned is None:
+            (slot, part), g = next(done)
+            scanned = part.eps
+            add_into(out[slot.relation], g)
+        traces.append(scanned)
+    return tuple(traces), tuple(out)
 
 
 def _hoods(graph: ETraceGraph, scope: Sparse) -> list[Any]:

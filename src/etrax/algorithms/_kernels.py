@@ -28,8 +28,11 @@ from ._plan import Slot
 
 __all__ = [
     "ChunkBackward",
+    "ChunkParts",
     "chunk_backward",
+    "chunk_grads",
     "drtrl_chunk",
+    "drtrl_chunk_parts",
     "drtrl_init",
     "drtrl_solve",
     "drtrl_update",
@@ -378,7 +381,18 @@ def chunk_backward(
     return ChunkBackward(A, P, G, Q, Pf, Pfs, edge)
 
 
-def drtrl_chunk(
+class ChunkParts(NamedTuple):
+    """One slot's chunk (`drtrl_chunk_parts`): the new traces (and filtered traces),
+    and per trace key the weighing terms of the traces carried in (for `weigh_many`)
+    and the gradient of the chunk's fresh inputs."""
+
+    eps: Trace
+    filtered: Trace | None
+    terms: list[list[Weighing]]
+    fresh: list[Array]
+
+
+def drtrl_chunk_parts(
     slot: Slot,
     eps: Trace,
     xs: Array | None,
@@ -386,7 +400,7 @@ def drtrl_chunk(
     back: ChunkBackward,
     filtered: Trace | None = None,
     kappa: float | None = None,
-) -> tuple[Trace, Trace, Trace | None]:
+) -> ChunkParts:
     """K steps of the fused recursion of one slot at once, from its group's
     `ChunkBackward`:
 
@@ -394,7 +408,9 @@ def drtrl_chunk(
     - ``Σ_k Σ_a L_k ε_k = ⟨D_0^T G_0, ε_0⟩ + Σ_k u_k ⊗ ⟨df_k, G_k⟩``;
 
     so ``ε`` is read and written once per chunk and the per-step terms become
-    (batched) matrix products. Equal to K applications of the per-step form.
+    (batched) matrix products. Equal to K applications of the per-step form. The
+    first term of the gradient is left as `weigh_many` terms, so that the traces of
+    every slot are weighed in one loop (`chunk_grads`).
 
     With e-prop's filter (`kappa`, the filtered traces `filtered`, and a filtered
     `back`), the new filtered trace is ``ē_{K-1} = κ^K ē_{-1} + Σ_j κ^{K-1-j} ε_j =
@@ -441,8 +457,42 @@ def drtrl_chunk(
             fK = kappa**K * f0 + _mix(Pf, e0, has_u) + fresh
             new_filt[k] = fK.reshape(filtered[k].shape).astype(filtered[k].dtype)
         new_eps[k] = eK.reshape(eps[k].shape).astype(eps[k].dtype)
-    grads: Trace = {
-        k: (carried + fresh_g).reshape(_weight_shape(slot, k))
-        for k, carried, fresh_g in zip(slot.keys, weigh_many(terms), fresh_grads, strict=True)
-    }
-    return new_eps, grads, (new_filt if filtering else None)
+    return ChunkParts(new_eps, new_filt if filtering else None, terms, fresh_grads)
+
+
+def chunk_grads(parts: Sequence[tuple[Slot, ChunkParts]]) -> list[Trace]:
+    """Each slot's gradient over its chunk, from `drtrl_chunk_parts`: the traces of
+    every slot that share a batch size are weighed in one `weigh_many` loop (one
+    loop per chunk instead of one per slot: a smaller program to compile)."""
+    by_batch: dict[int, list[int]] = {}
+    for n, (slot, _) in enumerate(parts):
+        by_batch.setdefault(slot.nb, []).append(n)
+    weighed: dict[int, list[Array]] = {}
+    for members in by_batch.values():
+        groups = [g for n in members for g in parts[n][1].terms]
+        out = iter(weigh_many(groups))
+        for n in members:
+            weighed[n] = [next(out) for _ in parts[n][1].terms]
+    return [
+        {
+            k: (carried + fresh).reshape(_weight_shape(slot, k))
+            for k, carried, fresh in zip(slot.keys, weighed[n], p.fresh, strict=True)
+        }
+        for n, (slot, p) in enumerate(parts)
+    ]
+
+
+def drtrl_chunk(
+    slot: Slot,
+    eps: Trace,
+    xs: Array | None,
+    dfs: Array,
+    back: ChunkBackward,
+    filtered: Trace | None = None,
+    kappa: float | None = None,
+) -> tuple[Trace, Trace, Trace | None]:
+    """One slot's chunk (`drtrl_chunk_parts`) with its gradient: the new traces, the
+    gradient and the new filtered traces (`None` without the filter)."""
+    parts = drtrl_chunk_parts(slot, eps, xs, dfs, back, filtered, kappa)
+    (grads,) = chunk_grads([(slot, parts)])
+    return parts.eps, grads, parts.filtered
