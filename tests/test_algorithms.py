@@ -567,6 +567,42 @@ def test_a_chunk_weighs_every_slot_in_one_loop(kappa: float | None) -> None:
     assert rel_err(grads, expected) <= 1e-12 and rel_err(new, tr) <= 1e-12
 
 
+def _scan_outputs(jaxpr: Any, length: int) -> list[tuple[int, ...]]:
+    """The shapes of the stacked outputs of every ``scan`` of `length` steps."""
+    shapes: list[tuple[int, ...]] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
+            n_carry = eqn.params["num_carry"]
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars[n_carry:]]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes += _scan_outputs(sub, length)
+    return shapes
+
+
+def test_a_chunk_stacks_an_input_once() -> None:
+    """The GRU's reset-gate product reads ``[x, h]``, the input of the update gate's
+    traced product too: a D-RTRL chunk stacks it once, with the Jacobians, for both
+    the trace recursion and the reset gate's deferred instantaneous gradient (and
+    the gradient is the per-step one)."""
+    model, x = build(etrax.nn.GRUCell, 3, 4, batch=2)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    plan = etrax.algorithms._plan.plan_of(graph)
+    assert any(r is not None for r in plan.operand_inputs)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (6, *x.shape))
+    y0, _ = etrax.forward(graph, state, x)
+    ts = jax.random.normal(jax.random.PRNGKey(1), (6, *y0.shape))
+    algo = etrax.DRTRL(chunk_steps=6)
+    traces = algo.init(graph, state)
+    program = jax.make_jaxpr(lambda s: etrax.online_grad(graph, algo, s, traces, xs, ts, mse))(
+        state
+    )
+    stacked = _scan_outputs(program.jaxpr, 6)
+    assert stacked.count((6, 2, 3 + 4)) == 2  # [x, h] once, and the candidate's [x, r h]
+    per_step = _online(etrax.DRTRL(chunk_steps=1), graph, state, xs, ts)
+    assert rel_err(_online(algo, graph, state, xs, ts), per_step) <= 1e-12
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 8, 9])
 @pytest.mark.parametrize("axis", [-1, -2, 0])
 def test_short_sum_equals_a_sum(n: int, axis: int) -> None:

@@ -269,6 +269,35 @@ class Deferred(NamedTuple):
     cotangents: list[Array | None]
 
 
+def _without_inputs(graph: ETraceGraph, d: Deferred) -> Deferred:
+    """`d` without the operands that are also a relation's input (`Plan.operand_inputs`):
+    stacked once, with the Jacobians (`_with_inputs` puts them back)."""
+    shared = plan_of(graph).operand_inputs
+    ops = [None if r is not None else v for v, r in zip(d.operands, shared, strict=True)]
+    return Deferred(ops, d.cotangents)
+
+
+def _with_inputs(graph: ETraceGraph, d: Deferred | None, jacs: StepJacobians) -> Deferred | None:
+    """`d` with the operands `_without_inputs` left out, from the stacked Jacobians'
+    inputs, where a deferred equation needs them."""
+    if d is None:
+        return None
+    shared = plan_of(graph).operand_inputs
+    ops = [
+        jacs.x[r] if v is None and r is not None and k is not None else v
+        for v, r, k in zip(d.operands, shared, _kept_operands(graph), strict=True)
+    ]
+    return Deferred(ops, d.cotangents)
+
+
+def _kept_operands(graph: ETraceGraph) -> list[int | None]:
+    """Per operand slot: its equation if that equation is deferred, else `None`."""
+    hp = graph.hidden_perturb
+    assert hp is not None
+    later = deferred_eqns(graph)
+    return [i if i in later else None for i, _ in hp.operand_slots]
+
+
 def deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
     """The instant equations whose weights' instantaneous gradients the chunked driver
     forms once per chunk, as one product over the stacked steps: those whose weights
@@ -518,12 +547,14 @@ def _online_impl(
     # closed over, not carried (`moving_parts`); varying like the carry under shard_map
     params = vary_tree(state.params, state, xs)
 
-    def signal_step(carry: Any, inp: Any) -> Any:
+    def signal_step(carry: Any, inp: Any, stacked_jacobians: bool = False) -> Any:
         moving, acc_pi, acc_sub = carry
         x, tgt, mod = inp
         loss, st, jac, sig, old, g_pi, cot, deferred = _step_grads(
             graph, rejoin(params, moving), x, tgt, loss_fn, algo.needs_point, defer=K > 1
         )
+        if stacked_jacobians and deferred is not None:  # an operand that is some `x`
+            deferred = _without_inputs(graph, deferred)  # is stacked with the Jacobians
         # the within-step traced part that the instantaneous gradient also holds is
         # counted with the true signal; the traces then learn from the rule's signal
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
@@ -569,8 +600,11 @@ def _online_impl(
             else:  # the chunk's Jacobians stacked, for the rule's re-associated update
                 st, tr, acc_eff, acc_pi, acc_sub = carry
                 (st, acc_pi, acc_sub), (loss, jacs, sigs, olds, deferred) = jax.lax.scan(
-                    signal_step, (st, acc_pi, acc_sub), inp
+                    functools.partial(signal_step, stacked_jacobians=True),
+                    (st, acc_pi, acc_sub),
+                    inp,
                 )
+                deferred = _with_inputs(graph, deferred, jacs)
                 tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
                 acc_eff = add_eff(acc_eff, g)
             # the instantaneous gradients of the uses inside equations: one product per

@@ -96,6 +96,15 @@ class Plan:
         self.instant_uses: tuple[ParamUse, ...] = (
             () if hp is None else tuple(graph.param_uses[i] for i in hp.use_indices)
         )
+        # per operand of an instant equation: the relation whose input is that same
+        # value (its Jacobians' `x`), if any, so that a chunk stacks it once
+        relations = enumerate(graph.hidden_param_op_relations)
+        by_x = {rel.x_var: r for r, rel in relations if rel.x_var is not None}
+        eqns = graph.module_info.jaxpr.eqns
+        ids = [table.id_of(eqns[i].invars[p]) for i, p in (() if hp is None else hp.operand_slots)]
+        self.operand_inputs: tuple[int | None, ...] = tuple(
+            None if v is None else by_x.get(v) for v in ids
+        )
         # relations whose within-step traced contribution is also inside an
         # instantaneous gradient (it must be subtracted once)
         self.overlap: tuple[int, ...] = tuple(
