@@ -31,7 +31,6 @@ __all__ = [
     "ChunkParts",
     "chunk_backward",
     "chunk_grads",
-    "drtrl_chunk",
     "drtrl_chunk_parts",
     "drtrl_init",
     "drtrl_solve",
@@ -480,19 +479,3 @@ def chunk_grads(parts: Sequence[tuple[Slot, ChunkParts]]) -> list[Trace]:
         }
         for n, (slot, p) in enumerate(parts)
     ]
-
-
-def drtrl_chunk(
-    slot: Slot,
-    eps: Trace,
-    xs: Array | None,
-    dfs: Array,
-    back: ChunkBackward,
-    filtered: Trace | None = None,
-    kappa: float | None = None,
-) -> tuple[Trace, Trace, Trace | None]:
-    """One slot's chunk (`drtrl_chunk_parts`) with its gradient: the new traces, the
-    gradient and the new filtered traces (`None` without the filter)."""
-    parts = drtrl_chunk_parts(slot, eps, xs, dfs, back, filtered, kappa)
-    (grads,) = chunk_grads([(slot, parts)])
-    return parts.eps, grads, parts.filtered
