@@ -543,8 +543,8 @@ def _loops(jaxpr: Any) -> int:
 def test_a_chunk_weighs_every_slot_in_one_loop(kappa: float | None) -> None:
     """A D-RTRL (or filtered e-prop) chunk of a GRU at batch 16 (beyond `SHORT_AXIS`,
     so the traces are weighed slice by slice on CPU): one backward pass over the chunk
-    for the hidden group and one slice loop for the traces of every slot (not one
-    per slot), with the per-step form's gradients."""
+    for the hidden group and one slice loop for the traces of every slot of the group
+    (not one per slot), with the per-step form's gradients."""
     model, x = build(etrax.nn.GRUCell, 3, 4, batch=16)
     graph = etrax.compile_etrace_graph(model, x)
     state = etrax.state_of(graph)

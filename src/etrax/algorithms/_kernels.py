@@ -461,11 +461,13 @@ def drtrl_chunk_parts(
 
 def chunk_grads(parts: Sequence[tuple[Slot, ChunkParts]]) -> list[Trace]:
     """Each slot's gradient over its chunk, from `drtrl_chunk_parts`: the traces of
-    every slot that share a batch size are weighed in one `weigh_many` loop (one
-    loop per chunk instead of one per slot: a smaller program to compile)."""
-    by_batch: dict[int, list[int]] = {}
+    the slots of one hidden group (with one batch size) are weighed in one
+    `weigh_many` loop, not one loop per slot (a smaller program to compile). Each
+    group keeps its own loop: one loop for the slots of every layer of a stack held
+    all their chunk's temporaries at once (6 % more memory for 16 GRU layers)."""
+    by_batch: dict[tuple[int, int], list[int]] = {}
     for n, (slot, _) in enumerate(parts):
-        by_batch.setdefault(slot.nb, []).append(n)
+        by_batch.setdefault((slot.group, slot.nb), []).append(n)
     weighed: dict[int, list[Array]] = {}
     for members in by_batch.values():
         groups = [g for n in members for g in parts[n][1].terms]
