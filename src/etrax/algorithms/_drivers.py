@@ -278,24 +278,19 @@ def _without_inputs(graph: ETraceGraph, d: Deferred) -> Deferred:
 
 
 def _with_inputs(graph: ETraceGraph, d: Deferred | None, jacs: StepJacobians) -> Deferred | None:
-    """`d` with the operands `_without_inputs` left out, from the stacked Jacobians'
-    inputs, where a deferred equation needs them."""
-    if d is None:
-        return None
-    shared = plan_of(graph).operand_inputs
+    """`d` with the operands that `_without_inputs` left out, taken from the stacked
+    Jacobians' inputs, where a deferred equation needs them."""
+    hp = graph.hidden_perturb
+    if d is None or hp is None:
+        return d
+    later = deferred_eqns(graph)
     ops = [
-        jacs.x[r] if v is None and r is not None and k is not None else v
-        for v, r, k in zip(d.operands, shared, _kept_operands(graph), strict=True)
+        jacs.x[r] if v is None and r is not None and i in later else v
+        for v, r, (i, _) in zip(
+            d.operands, plan_of(graph).operand_inputs, hp.operand_slots, strict=True
+        )
     ]
     return Deferred(ops, d.cotangents)
-
-
-def _kept_operands(graph: ETraceGraph) -> list[int | None]:
-    """Per operand slot: its equation if that equation is deferred, else `None`."""
-    hp = graph.hidden_perturb
-    assert hp is not None
-    later = deferred_eqns(graph)
-    return [i if i in later else None for i, _ in hp.operand_slots]
 
 
 def deferred_eqns(graph: ETraceGraph) -> frozenset[int]:

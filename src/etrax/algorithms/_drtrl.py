@@ -25,7 +25,7 @@ from ._kernels import (
     drtrl_solve,
     drtrl_update,
 )
-from ._plan import plan_of
+from ._plan import Slot, plan_of
 from ._rule import LearningRule, TraceFactorisation
 from ._snap import neighbourhood, snap_init, snap_solve, snap_update
 
@@ -144,17 +144,16 @@ def _chunk_eps(
     plan = plan_of(graph)
     out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
     backward = _backwards(jacs, signals, olds)
-    new: list[dict[str, Array] | None] = []
-    fused: list[tuple[Any, ChunkParts]] = []  # weighed together at the end
-    for slot, e in zip(plan.slots, eps, strict=True):
+    traces: dict[int, dict[str, Array]] = {}
+    fused: list[tuple[int, Slot, ChunkParts]] = []  # weighed together at the end
+    for n, (slot, e) in enumerate(zip(plan.slots, eps, strict=True)):
         x = jacs.x[slot.relation]
         df = jacs.df[slot.relation][slot.tail]
         D = jacs.D[slot.group]
         L = signals[slot.group]
         N = None if olds is None else olds[slot.group]
         if slot.factorized:
-            fused.append((slot, drtrl_chunk_parts(slot, e, x, df, backward(slot.group))))
-            new.append(None)
+            fused.append((n, slot, drtrl_chunk_parts(slot, e, x, df, backward(slot.group))))
             continue
 
         def body(carry: Any, inp: Any, _slot: Any = slot) -> Any:
@@ -170,18 +169,13 @@ def _chunk_eps(
             return (tr, acc), None
 
         zero = {k: jnp.zeros(slot.eff_shapes[k], df.dtype) for k in slot.keys}
-        (e_new, g), _ = jax.lax.scan(body, (e, zero), (x, df, D, L, N))
-        new.append(e_new)
+        (traces[n], g), _ = jax.lax.scan(body, (e, zero), (x, df, D, L, N))
         add_into(out[slot.relation], g)
-    done = iter(zip(fused, chunk_grads(fused), strict=True))
-    traces: list[dict[str, Array]] = []
-    for scanned in new:
-        if scanned is None:
-            (slot, part), g = next(done)
-            scanned = part.eps
-            add_into(out[slot.relation], g)
-        traces.append(scanned)
-    return tuple(traces), tuple(out)
+    weighed = chunk_grads([(slot, part) for _, slot, part in fused])
+    for (n, slot, part), g in zip(fused, weighed, strict=True):
+        traces[n] = part.eps
+        add_into(out[slot.relation], g)
+    return tuple(traces[n] for n in range(len(plan.slots))), tuple(out)
 
 
 def _hoods(graph: ETraceGraph, scope: Sparse) -> list[Any]:
