@@ -16,6 +16,7 @@ from jaxtyping import Array
 import etrax
 
 from .models import CATALOGUE, ModelCase, TanhRNN, build
+from .oracles import bptt_grads
 
 TOL = 1e-10
 EXACT = tuple(c for c in CATALOGUE if c.exact_online)
@@ -601,6 +602,135 @@ def test_a_chunk_stacks_an_input_once() -> None:
     assert stacked.count((6, 2, 3 + 4)) == 2  # [x, h] once, and the candidate's [x, r h]
     per_step = _online(etrax.DRTRL(chunk_steps=1), graph, state, xs, ts)
     assert rel_err(_online(algo, graph, state, xs, ts), per_step) <= 1e-12
+
+
+def _products_with(jaxpr: Any, shape: tuple[int, ...], length: int, inside: bool = False) -> int:
+    """Products (``dot_general``, ETP matmuls) with an operand of `shape` inside the
+    ``scan`` loops of `length` steps (in nested programs too)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        here = inside or (eqn.primitive.name == "scan" and eqn.params["length"] == length)
+        subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+        if inside and eqn.primitive.name in ("dot_general", "etp_matmul"):
+            count += any(tuple(getattr(v.aval, "shape", ())) == shape for v in eqn.invars)
+        for sub in subs:
+            count += _products_with(sub, shape, length, here)
+    return count
+
+
+class GatedOut(brainstate.nn.Module):
+    """A gated cell whose gate reaches the candidate through the candidate's weight and,
+    with `gate_out`, also the output directly (no product with a weight on that route)."""
+
+    def __init__(self, n_in: int, n: int, gate_out: bool) -> None:
+        super().__init__()
+        self.gate_out = gate_out
+        self.Wg = etrax.nn.Linear(n_in, n)
+        self.Wh = etrax.nn.Linear(n_in + n, n)
+        self.n = n
+
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
+        self.h = brainstate.HiddenState(jnp.zeros(shape))
+
+    def update(self, x: Array) -> Array:
+        g = jax.nn.sigmoid(self.Wg(x))
+        h = self.h.value
+        new = 0.5 * h + jnp.tanh(self.Wh(jnp.concatenate([x, g * h], axis=-1)))
+        self.h.value = new
+        return new + g if self.gate_out else new
+
+
+_RULES: dict[str, Callable[[int], etrax.OnlineAlgorithm[Any]]] = {
+    "pp": lambda k: etrax.PPProp(0.8, chunk_steps=k),
+    "drtrl": lambda k: etrax.DRTRL(chunk_steps=k),
+    "eprop": lambda k: etrax.EProp(0.6, chunk_steps=k),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(_RULES))
+def test_a_region_pulls_the_reset_gate_back_once_per_chunk(rule: str) -> None:
+    """The GRU's reset gate reaches the loss only through the candidate's weight: its
+    steps keep the candidate product's output cotangent, and the product with that
+    weight's transpose runs once per chunk (the steps multiply by the ``(67, 64)``
+    weights only in the three forward products), with the per-step form's gradients.
+    At batch 1 the product is too small for a region (`REGION_MIN_MACS`)."""
+    model, x = build(etrax.nn.GRUCell, 3, 64, batch=32)  # above `REGION_MIN_MACS`
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    hp = graph.hidden_perturb
+    assert hp is not None and sum(r is not None for r in hp.regions) == 1
+    small, _ = build(etrax.nn.GRUCell, 3, 64, batch=1)
+    small_hp = etrax.compile_etrace_graph(small, x[:1]).hidden_perturb
+    assert small_hp is not None and all(r is None for r in small_hp.regions)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (6, *x.shape))
+    y0, _ = etrax.forward(graph, state, x)
+    ts = jax.random.normal(jax.random.PRNGKey(1), (6, *y0.shape))
+    algo = _RULES[rule](6)
+    traces = algo.init(graph, state)
+    program = jax.make_jaxpr(lambda s: etrax.online_grad(graph, algo, s, traces, xs, ts, mse))(
+        state
+    )
+    assert _products_with(program.jaxpr, (3 + 64, 64), 6) == 3
+    per_step = _online(_RULES[rule](1), graph, state, xs, ts)
+    assert rel_err(_online(algo, graph, state, xs, ts), per_step) <= 1e-12
+
+
+@pytest.mark.parametrize("gate_out", [False, True])
+def test_a_region_stops_where_a_route_reaches_the_output(gate_out: bool) -> None:
+    """A gate that also reaches the output directly has no region (its output
+    cotangent is kept per step); either way a chunk's gradients equal the per-step
+    ones and BPTT's at T = 1."""
+    model, x = build(GatedOut, 3, 64, gate_out, batch=32)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    hp = graph.hidden_perturb
+    assert hp is not None
+    assert [r is not None for r in hp.regions].count(True) == (0 if gate_out else 1)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (5, *x.shape))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (5, 32, 64))
+    exact = bptt_grads(model, state, xs[:1], ts[:1], mse)
+    for make in _RULES.values():
+        chunk, one = make(5), make(1)
+        per_step = _online(one, graph, state, xs, ts)
+        assert rel_err(_online(chunk, graph, state, xs, ts), per_step) <= 1e-12
+        first = _online(chunk, graph, state, xs[:1], ts[:1])
+        for p in exact:
+            assert rel_err(first[p], exact[p]) <= 1e-12, p
+
+
+class TwoGRUs(brainstate.nn.Module):
+    """Two GRU layers and a plain brainstate readout."""
+
+    def __init__(self, n_in: int, n: int) -> None:
+        super().__init__()
+        self.l1 = etrax.nn.GRUCell(n_in, n)
+        self.l2 = etrax.nn.GRUCell(n, n)
+        self.out = brainstate.nn.Linear(n, 2)
+
+    def update(self, x: Array) -> Array:
+        return self.out(self.l2(self.l1(x)))
+
+
+@pytest.mark.slow
+def test_regions_of_a_stack_equal_the_per_step_gradients() -> None:
+    """Each layer's reset gate has its own region (the second layer's reads the first
+    layer's new hidden value as its input): chunks equal the per-step form for every
+    rule, and BPTT at T = 1."""
+    model, x = build(TwoGRUs, 3, 64, batch=32)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    hp = graph.hidden_perturb
+    assert hp is not None and sum(r is not None for r in hp.regions) == 2
+    xs = jax.random.normal(jax.random.PRNGKey(0), (5, *x.shape))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (5, 32, 2))
+    exact = bptt_grads(model, state, xs[:1], ts[:1], mse)
+    for make in _RULES.values():
+        per_step = _online(make(1), graph, state, xs, ts)
+        assert rel_err(_online(make(5), graph, state, xs, ts), per_step) <= 1e-12
+        first = _online(make(5), graph, state, xs[:1], ts[:1])
+        for p in exact:
+            assert rel_err(first[p], exact[p]) <= 1e-12, p
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 8, 9])

@@ -21,12 +21,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._compat import Literal, bind_equation, shape_struct, struct_of, vary_like, vary_tree
+from .._compat import (
+    DropVar,
+    Literal,
+    bind_equation,
+    shape_struct,
+    struct_of,
+    vary_like,
+    vary_tree,
+)
 from .._errors import CompilationError, StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
 from ..compiler import ETraceGraph, WeightRule
-from ..compiler._perturbation import zero_perturbation
+from ..compiler._perturbation import Region, zero_perturbation
 from ..executor import (
     ModelState,
     StepJacobians,
@@ -179,18 +187,38 @@ class BPTTResult(NamedTuple):
 def _perturbed_outputs(
     graph: ETraceGraph,
     flat: list[Array],
+    fixed: tuple[list[Array], list[Array]],
+    live: tuple[tuple[int, ...], tuple[int, ...]],
     perturbs: list[Array],
     olds: list[Array],
     deltas: list[Array],
     eps: list[Array],
 ) -> Any:
     """The perturbed step's output and, as auxiliary data, its hidden, other and
-    hoisted outputs and the operands of its instant equations."""
+    hoisted outputs and the operands and region values of its instant equations.
+    `deltas` and `eps` are the use and output perturbations at the positions `live`
+    names (`_live`); the others are the `fixed` ones (zeros, not differentiated)."""
     hp = graph.hidden_perturb
     assert hp is not None
-    outs, operands = hp.eval_with_operands(flat, perturbs, olds, deltas, eps or None)
+    all_deltas, all_eps = list(fixed[0]), list(fixed[1])
+    for n, d in zip(live[0], deltas, strict=True):
+        all_deltas[n] = d
+    for n, e in zip(live[1], eps, strict=True):
+        all_eps[n] = e
+    outs, operands = hp.eval_with_operands(flat, perturbs, olds, all_deltas, all_eps)
     out, hidden, other, hoisted = graph.module_info.split_outputs(outs)
     return out, (hidden, other, hoisted, operands)
+
+
+def _live(graph: ETraceGraph, defer: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The use perturbations ``δ`` and output perturbations ``ε`` a step differentiates:
+    every ``δ`` and no ``ε`` per step; with `defer`, the ``δ`` of the uses outside
+    `deferred_eqns` and the ``ε`` of `live_eps`."""
+    uses = plan_of(graph).instant_uses
+    if not defer:
+        return tuple(range(len(uses))), ()
+    later = deferred_eqns(graph)
+    return tuple(n for n, u in enumerate(uses) if u.eqn_index not in later), live_eps(graph)
 
 
 def _step_grads(
@@ -215,39 +243,46 @@ def _step_grads(
     ``∂L/∂h^t`` and the direct ``∂L/∂h^{t-1}`` per group, the instantaneous gradient
     of each injected use, and the output cotangent ``∂L/∂y``.
 
-    With `defer`, the instantaneous gradients of uses inside equations are left out
-    (zero) and the step returns what forms them later instead (`Deferred`): the
-    equations' operands and output cotangents, to be contracted over stacked steps
-    by `_deferred_use_grads`."""
+    With `defer`, the instantaneous gradients of the uses inside `deferred_eqns` are
+    left out (zero, and not differentiated) and the step returns what forms them later
+    instead (`Deferred`): the equations' operands and output cotangents (or their
+    regions' frontier cotangents and values), to be contracted over stacked steps by
+    `_deferred_use_grads`."""
     hp = graph.hidden_perturb
     assert hp is not None
     flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
-    f = functools.partial(_perturbed_outputs, graph, flat)
+    deltas, eps = _zero_uses(graph, state), hp.init_eps_data()
+    live = _live(graph, defer)
+    f = functools.partial(_perturbed_outputs, graph, flat, (deltas, eps), live)
     zeros = [zero_perturbation(state.hidden[p]) for p in hp.perturb_hidden_paths]
-    deltas = _zero_uses(graph, state)
-    eps = hp.init_eps_data() if defer else []
-    out, vjp_fn, (hidden, other, hoisted, operands) = jax.vjp(
-        f, zeros, zeros, deltas, eps, has_aux=True
+    out, vjp_fn, (hidden, other, hoisted, kept) = jax.vjp(
+        f,
+        zeros,
+        zeros,
+        [deltas[n] for n in live[0]],
+        [eps[n] for n in live[1]],
+        has_aux=True,
     )
     loss_and_aux, cot = jax.value_and_grad(loss_fn, has_aux=True)(out, target)
-    g_pert, g_old, g_use, g_eps = vjp_fn(cot)
+    g_pert, g_old, g_live, g_eps = vjp_fn(cot)
+    g_use = list(deltas)  # zero where the use is deferred
+    for n, g in zip(live[0], g_live, strict=True):
+        g_use[n] = g
     deferred = None
     if defer:
+        cots: list[Array | None] = [None] * len(eps)
+        for n, g in zip(live[1], g_eps, strict=True):
+            cots[n] = g
         later = deferred_eqns(graph)
-        uses = plan_of(graph).instant_uses
-        g_use = [
-            jnp.zeros_like(g) if u.eqn_index in later else g
-            for u, g in zip(uses, g_use, strict=True)
-        ]
-        eqn_of = {
-            e: i for i, slots in zip(hp.instant_eqns, hp.eps_slots, strict=True) for e in slots
-        }
+        operands, values = kept[: len(hp.operand_slots)], kept[len(hp.operand_slots) :]
+        needed = {n for r in regions_of(graph).values() for n in r.values}
         deferred = Deferred(  # only what the deferred equations need is stacked
             [
                 v if i in later else None
                 for (i, _), v in zip(hp.operand_slots, operands, strict=True)
             ],
-            [v if eqn_of[e] in later else None for e, v in enumerate(g_eps)],
+            cots,
+            [v if n in needed else None for n, v in enumerate(values)],
         )
     groups = graph.hidden_groups
     signals = tuple(hp.perturb_data_to_hidden_group_data(g_pert, groups))
@@ -262,11 +297,13 @@ def _step_grads(
 class Deferred(NamedTuple):
     """What forms the instantaneous gradients of the uses inside equations, per step
     (stacked over a chunk by the scan): the instant equations' non-weight operands
-    (`HiddenPerturbation.operand_slots`) and the cotangents of their outputs (``ε``),
-    `None` for the equations not in `deferred_eqns`."""
+    (`HiddenPerturbation.operand_slots`), the cotangents ``ε`` of their outputs or of
+    their regions' frontier products (`live_eps`), and the values their regions read
+    (`HiddenPerturbation.value_slots`); `None` where no deferred equation needs one."""
 
     operands: list[Array | None]
     cotangents: list[Array | None]
+    values: list[Array | None]
 
 
 def _without_inputs(graph: ETraceGraph, d: Deferred) -> Deferred:
@@ -274,7 +311,7 @@ def _without_inputs(graph: ETraceGraph, d: Deferred) -> Deferred:
     stacked once, with the Jacobians (`_with_inputs` puts them back)."""
     shared = plan_of(graph).operand_inputs
     ops = [None if r is not None else v for v, r in zip(d.operands, shared, strict=True)]
-    return Deferred(ops, d.cotangents)
+    return d._replace(operands=ops)
 
 
 def _with_inputs(graph: ETraceGraph, d: Deferred | None, jacs: StepJacobians) -> Deferred | None:
@@ -290,7 +327,7 @@ def _with_inputs(graph: ETraceGraph, d: Deferred | None, jacs: StepJacobians) ->
             d.operands, plan_of(graph).operand_inputs, hp.operand_slots, strict=True
         )
     ]
-    return Deferred(ops, d.cotangents)
+    return d._replace(operands=ops)
 
 
 def deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
@@ -319,6 +356,96 @@ def _deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
     return frozenset(i for i in hp.instant_eqns if weights.get(i, 0) > kept[i])
 
 
+def regions_of(graph: ETraceGraph) -> dict[int, Region]:
+    """The `Region` of each deferred equation that has one: its output cotangent is
+    pulled back from its frontier products' once per chunk (`_region_cotangents`)."""
+    return graph.memo.get("deferred_regions", lambda: _regions_of(graph))
+
+
+def _regions_of(graph: ETraceGraph) -> dict[int, Region]:
+    hp = graph.hidden_perturb
+    if hp is None:
+        return {}
+    later = deferred_eqns(graph)
+    return {
+        i: r
+        for i, r in zip(hp.instant_eqns, hp.regions, strict=True)
+        if r is not None and i in later
+    }
+
+
+def live_eps(graph: ETraceGraph) -> tuple[int, ...]:
+    """The output perturbations ``ε`` whose cotangents a chunk's steps keep: a
+    deferred equation's own, or its region's frontier products' if it has a region."""
+    return graph.memo.get("live_eps", lambda: _live_eps(graph))
+
+
+def _live_eps(graph: ETraceGraph) -> tuple[int, ...]:
+    hp = graph.hidden_perturb
+    if hp is None:
+        return ()
+    later, regions = deferred_eqns(graph), regions_of(graph)
+    live: set[int] = set()
+    for i, slots in zip(hp.instant_eqns, hp.eps_slots, strict=True):
+        if i in regions:
+            live.update(n for _, _, n in regions[i].frontier)
+        elif i in later:
+            live.update(n for n in slots if n is not None)
+    return tuple(sorted(live))
+
+
+def _kept(value: Array | None) -> Array:
+    assert value is not None  # `_step_grads` keeps what every deferred equation needs
+    return value
+
+
+def _region_cotangents(
+    graph: ETraceGraph, params: Mapping[Path, PyTree], i: int, d: Deferred
+) -> list[Array | None]:
+    """The cotangents of instant equation `i`'s outputs over the stacked steps of `d`,
+    pulled back from its region's frontier cotangents: the region's equations mapped
+    over the steps with the weights unbatched, so each product with a frontier weight's
+    transpose contracts the steps and the batch together (`None` for a dropped output)."""
+    hp = graph.hidden_perturb
+    assert hp is not None
+    region = regions_of(graph)[i]
+    closed = graph.module_info.closed_jaxpr
+    eqns = closed.jaxpr.eqns
+    fixed: dict[Any, Any] = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    weights = {(u.eqn_index, u.slot): u for u in graph.param_uses if u.eqn_index is not None}
+    at = [hp.value_slots[n] for n in region.values]
+    names = [eqns[e].invars[p] if p >= 0 else eqns[e].outvars[-1 - p] for e, p in at]
+    stacked = [_kept(d.values[n]) for n in region.values]
+    starts = sum(1 for v in eqns[i].outvars if not isinstance(v, DropVar))
+
+    def operand(env: Mapping[Any, Any], e: int, p: int, atom: Any) -> Any:
+        if isinstance(atom, Literal):
+            return atom.val
+        if (e, p) in weights:
+            return use_value(graph, weights[(e, p)], params)
+        return env[atom] if atom in env else fixed[atom]
+
+    def run(start: list[Array], rest: list[Array]) -> list[Array]:
+        env = dict(zip(names, [*start, *rest], strict=True))
+        for e in region.eqns:
+            eqn = eqns[e]
+            ins = [operand(env, e, p, a) for p, a in enumerate(eqn.invars)]
+            for v, o in zip(eqn.outvars, bind_equation(eqn, ins), strict=True):
+                if not isinstance(v, DropVar):
+                    env[v] = o
+        return [env[eqns[e].outvars[k]] for e, k, _ in region.frontier]
+
+    steps, rest = stacked[0].shape[0], stacked[starts:]
+
+    def mapped(start: list[Array]) -> list[Array]:
+        return jax.vmap(run, axis_size=steps)(start, rest)
+
+    _, vjp = jax.vjp(mapped, stacked[:starts])
+    (g,) = vjp([_kept(d.cotangents[n]) for _, _, n in region.frontier])
+    it = iter(g)
+    return [None if isinstance(v, DropVar) else next(it) for v in eqns[i].outvars]
+
+
 def _deferred_use_grads(
     graph: ETraceGraph, params: Mapping[Path, PyTree], d: Deferred
 ) -> list[Array]:
@@ -333,15 +460,23 @@ def _deferred_use_grads(
     values = [use_value(graph, u, params) for u in uses]
     weight_at = {(u.eqn_index, u.slot): n for n, u in enumerate(uses) if u.eqn_index is not None}
     operand_at = {slot: n for n, slot in enumerate(hp.operand_slots)}
+    regions = regions_of(graph)
+    pulled: dict[int, list[Array | None]] = {}
     out: list[Array] = []
     for n, u in enumerate(uses):
         if u.eqn_index not in later:
             out.append(jnp.zeros(u.shape, u.dtype))
             continue
         i, eqn = u.eqn_index, eqns[u.eqn_index]
-        kept = [
-            None if e is None else d.cotangents[e] for e in hp.eps_slots[hp.instant_eqns.index(i)]
-        ]
+        if i in regions:
+            if i not in pulled:
+                pulled[i] = _region_cotangents(graph, params, i, d)
+            kept = pulled[i]
+        else:
+            kept = [
+                None if e is None else d.cotangents[e]
+                for e in hp.eps_slots[hp.instant_eqns.index(i)]
+            ]
         steps = next(c for c in kept if c is not None).shape[0]
         cots = [
             jnp.zeros((steps, *struct_of(v).shape), struct_of(v).dtype) if c is None else c

@@ -24,8 +24,14 @@ A fourth, ``ε``, is added to every output of each equation that reads such a we
 (an *instant equation*), and the program also returns that equation's other operands:
 the gradient of ``ε`` is the equation's output cotangent, so the use's instantaneous
 gradient can be formed later, from stacked steps, as one product (chunked drivers).
+Where the routes from an instant equation's outputs all cross a product with another
+weight before they reach a step output (a GRU's reset gate, through the candidate's
+weight), ``ε`` is also added to those products' outputs and the program returns the
+values in between that the steps must keep (a `Region`): the cotangent is then pulled
+back through the products with the other weights once per chunk, not at every step.
 """
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -40,7 +46,7 @@ from ._graph import ETraceGraph
 from ._group import HiddenGroup, group
 from ._jaxpr import Program
 from ._module_info import ModuleInfo, StateKind
-from ._perturbation import HiddenPerturbation
+from ._perturbation import HiddenPerturbation, Region
 from ._relate import relate
 from ._rewrite import RewrittenModule, rewrite
 from ._uses import ParamUse
@@ -60,6 +66,13 @@ _LINEAR = frozenset(
         "slice", "convert_element_type", "copy", "copy_p", "add", "add_any", "sub", "neg",
     }
 )  # fmt: skip
+
+REGION_MIN_MACS = 1 << 17
+"""The smallest per-step product (multiply-adds, estimated as the data operand's
+elements times the weight's over the data's last axis) through a region's frontier
+weights that is worth a `Region`: below it (a GRU of 128 units at batch 1: 17,664), the
+product costs a step less than keeping the region's values, and the region's
+chunk-end work only lengthens the compile (measured on a 2-core CPU)."""
 
 _CROSSED: Hashable = "crossed"
 _OWN: Hashable = "own"
@@ -138,8 +151,87 @@ class _Builder:
                 for pos, a in enumerate(eqn.invars)
                 if isinstance(a, Var) and (i, pos) not in self.weight_slots
             ]
+        self.weight_reads = frozenset(
+            (u.eqn_index, u.slot) for u in uses if u.eqn_index is not None
+        )
+        self.value_slots: list[tuple[int, int]] = []
+        self.regions = tuple(self._region(i) for i in self.instant_eqns)
         self._direct()
         self._output_roles()
+
+    def _is_frontier(self, i: int, reads: Sequence[int]) -> bool:
+        """Whether equation `i`, reading region values at operands `reads`, is a
+        product with weights (an ETP op, a ``dot_general`` or a convolution whose other
+        operands are all weight values) that ends a region."""
+        eqn = self.jaxpr.eqns[i]
+        name = str(eqn.primitive.name)
+        if etp_spec(eqn.primitive) is None and name not in ("dot_general", "conv_general_dilated"):
+            return False
+        others = [p for p in range(len(eqn.invars)) if p not in reads]
+        return len(reads) == 1 and bool(others) and all((i, p) in self.weight_reads for p in others)
+
+    def _region(self, i: int) -> Region | None:
+        """The `Region` of instant equation `i`, or `None` where there is none worth
+        having: a route from its outputs reaches a model output without crossing a
+        product with weights, or the products reached are smaller than
+        `REGION_MIN_MACS`."""
+        eqns = self.jaxpr.eqns
+        # only the model's outputs carry the loss (the new hidden values and the
+        # hoisted values are the step's auxiliary outputs)
+        returned = {v for v in self.jaxpr.outvars[: self.minfo.num_var_out] if isinstance(v, Var)}
+        starts = [v for v in eqns[i].outvars if not isinstance(v, DropVar)]
+        live = set(starts)
+        if live & returned:
+            return None
+        members: list[int] = []
+        ends: list[int] = []
+        macs = 0
+        for e in range(i + 1, len(eqns)):
+            eqn = eqns[e]
+            reads = [p for p, a in enumerate(eqn.invars) if isinstance(a, Var) and a in live]
+            if not reads:
+                continue
+            members.append(e)
+            outs = [v for v in eqn.outvars if not isinstance(v, DropVar)]
+            if self._is_frontier(e, reads):
+                ends.append(e)
+                data = struct_of(eqn.invars[reads[0]]).shape
+                weight = sum(
+                    math.prod(struct_of(a).shape) for p, a in enumerate(eqn.invars) if p != reads[0]
+                )
+                macs += math.prod(data) * weight // max(data[-1] if data else 1, 1)
+                continue
+            if any(v in returned for v in outs):
+                return None
+            live.update(outs)
+        if macs < REGION_MIN_MACS:
+            return None  # also where no product with a weight was reached
+        frontier: list[tuple[int, int, int]] = []
+        for e in ends:  # their outputs get an ``ε`` (a later instant equation has one)
+            if e not in self.eps_of:
+                slots: list[int | None] = []
+                for v in eqns[e].outvars:
+                    slots.append(None if isinstance(v, DropVar) else len(self.eps_structs))
+                    if not isinstance(v, DropVar):
+                        self.eps_structs.append(struct_of(v))
+                self.eps_of[e] = slots
+            frontier += [(e, k, n) for k, n in enumerate(self.eps_of[e]) if n is not None]
+        consts = set(self.jaxpr.constvars)
+        reads_at: dict[Var, tuple[int, int]] = {}
+        for e in members:
+            for p, a in enumerate(eqns[e].invars):
+                if isinstance(a, Literal) or a in live or a in consts:
+                    continue
+                if (e, p) not in self.weight_reads:
+                    reads_at.setdefault(a, (e, p))
+        kept = [(i, -1 - k) for k, v in enumerate(eqns[i].outvars) if not isinstance(v, DropVar)]
+        kept += reads_at.values()
+        values = []
+        for slot in kept:
+            if slot not in self.value_slots:
+                self.value_slots.append(slot)
+            values.append(self.value_slots.index(slot))
+        return Region(tuple(members), tuple(frontier), tuple(values))
 
     def _direct(self) -> None:
         """Equations on routes from old hidden values to the model's outputs that avoid
@@ -237,11 +329,14 @@ class _Run:
         ]
 
     def operands(self) -> list[Any]:
-        """The unperturbed operands of the instant equations (their weights excluded)."""
+        """The unperturbed operands of the instant equations (their weights excluded),
+        then the values the regions read (`HiddenPerturbation.value_slots`)."""
         eqns = self.b.jaxpr.eqns
-        return [
-            self.read(self.orig, eqns[i].invars[pos], -1, -1) for i, pos in self.b.operand_slots
-        ]
+        out = [self.read(self.orig, eqns[i].invars[pos], -1, -1) for i, pos in self.b.operand_slots]
+        for i, pos in self.b.value_slots:
+            atom = eqns[i].invars[pos] if pos >= 0 else eqns[i].outvars[-1 - pos]
+            out.append(self.read(self.orig, atom, -1, -1))
+        return out
 
     def equation(self, i: int, eqn: Any) -> None:
         outs = [v for v in eqn.outvars if not isinstance(v, DropVar)]
@@ -407,6 +502,8 @@ def perturb(rewritten: RewrittenModule, *, enabled: bool = True) -> ETraceGraph:
             eps_shapes=tuple(tuple(e.shape) for e in b.eps_structs),
             eps_dtypes=tuple(e.dtype for e in b.eps_structs),
             operand_slots=tuple(b.operand_slots),
+            regions=b.regions,
+            value_slots=tuple(b.value_slots),
         )
     return ETraceGraph(
         module_info=rewritten.module_info,

@@ -1,7 +1,7 @@
 """The `HiddenPerturbation` artifact: the step with zero perturbations added."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -12,7 +12,32 @@ from .._typing import Path, Shape
 from ._group import HiddenGroup
 from ._jaxpr import Program
 
-__all__ = ["HiddenPerturbation", "zero_perturbation"]
+__all__ = ["HiddenPerturbation", "Region", "zero_perturbation"]
+
+
+class Region(NamedTuple):
+    """Where an instant equation's output cotangent can be formed from stacked steps.
+
+    The equations downstream of the instant equation's outputs, up to and including
+    the first product with another weight on every route (the *frontier*: a
+    ``dot_general`` or convolution whose other operand is a weight value), read no
+    value the step does not keep, and none of them is a step output. The step then
+    keeps the cotangents of the frontier products' outputs (their ``ε``) and the
+    per-step values the region reads; the chunked drivers pull those cotangents back
+    through the region for all the chunk's steps at once, so the products with the
+    frontier weights' transposes run once per chunk instead of once per step.
+
+    - `eqns`: the region's equations after the instant one, in order (frontier
+      products included).
+    - `frontier`: ``(equation, output, ε slot)`` of each frontier output.
+    - `values`: indices into `HiddenPerturbation.value_slots` of the per-step values
+      the region reads: the instant equation's outputs first (in order, dropped ones
+      left out), then the other values.
+    """
+
+    eqns: tuple[int, ...]
+    frontier: tuple[tuple[int, int, int], ...]
+    values: tuple[int, ...]
 
 
 def zero_perturbation(like: Any) -> Any:
@@ -45,6 +70,11 @@ class HiddenPerturbation(eqx.Module):
       `None` for a dropped output); `eps_shapes`, `eps_dtypes` their avals.
     - `operand_slots`: ``(equation, operand)`` of every non-weight variable operand of
       the instant equations, in the order the program returns them.
+    - `regions`: per instant equation, its `Region` (or `None`: its output cotangent
+      is kept per step).
+    - `value_slots`: the per-step values the regions read, returned after the
+      operands: ``(equation, operand)``, or ``(equation, -1 - output)`` for an
+      equation's output.
     """
 
     perturb_hidden_paths: tuple[Path, ...] = eqx.field(static=True)
@@ -61,6 +91,8 @@ class HiddenPerturbation(eqx.Module):
     eps_shapes: tuple[Shape, ...] = eqx.field(static=True, default=())
     eps_dtypes: tuple[np.dtype[Any], ...] = eqx.field(static=True, default=())
     operand_slots: tuple[tuple[int, int], ...] = eqx.field(static=True, default=())
+    regions: tuple[Region | None, ...] = eqx.field(static=True, default=())
+    value_slots: tuple[tuple[int, int], ...] = eqx.field(static=True, default=())
 
     @property
     def perturb_jaxpr(self) -> Any:
@@ -75,7 +107,8 @@ class HiddenPerturbation(eqx.Module):
         return [jnp.zeros(s, d) for s, d in zip(self.use_shapes, self.use_dtypes, strict=True)]
 
     def init_eps_data(self) -> list[Array]:
-        """Zero output perturbations ``ε`` of the instant equations."""
+        """Zero output perturbations ``ε`` of the instant equations and of the regions'
+        frontier products."""
         return [jnp.zeros(s, d) for s, d in zip(self.eps_shapes, self.eps_dtypes, strict=True)]
 
     def eval_jaxpr(
@@ -99,7 +132,8 @@ class HiddenPerturbation(eqx.Module):
         eps_data: Sequence[Any] | None = None,
     ) -> tuple[list[Any], list[Any]]:
         """As `eval_jaxpr`, with output perturbations ``ε`` (zero unless given); also
-        returns the instant equations' operands (`operand_slots`)."""
+        returns the instant equations' operands (`operand_slots`), then the regions'
+        per-step values (`value_slots`)."""
         if len(perturb_data) != len(self.shapes):
             raise ValueError(
                 f"expected {len(self.shapes)} perturbations (one per hidden state "
