@@ -298,12 +298,13 @@ def make_data(cfg: Config, T: int) -> Data:
 # --- the two libraries' online learners --------------------------------------------
 
 
-def etrax_rule(method: str) -> etrax.OnlineAlgorithm[Any]:
+def etrax_rule(method: str, chunk_steps: int | None = None) -> etrax.OnlineAlgorithm[Any]:
+    """etrax's rule for `method` (`chunk_steps=None`: the library's default)."""
     if method == "D-RTRL":
-        return etrax.DRTRL()
+        return etrax.DRTRL(chunk_steps=chunk_steps)
     if method == "pp-prop":
-        return etrax.PPProp(DECAY)
-    return etrax.EProp(KAPPA)
+        return etrax.PPProp(DECAY, chunk_steps=chunk_steps)
+    return etrax.EProp(KAPPA, chunk_steps=chunk_steps)
 
 
 def _braintrace_learner(
@@ -424,8 +425,9 @@ def fix_reset_gates(model: brainstate.nn.Module) -> brainstate.nn.Module:
     return model
 
 
-def build_program(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
-    """The compiled program of one (library, method) on fresh weights."""
+def build_program(lib: Lib, method: str, cfg: Config, data: Data, chunk_steps: int = 32) -> Program:
+    """The compiled program of one (library, method) on fresh weights (etrax's online
+    rules with `chunk_steps`)."""
     if method in ("forward", "BPTT"):
         step = PureStep(_initialised(lib, cfg), data.x0)
         if method == "forward":
@@ -436,7 +438,7 @@ def build_program(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
         if method == FIXED_WR:
             model, method = fix_reset_gates(model), "pp-prop"
         graph = etrax.compile_etrace_graph(model, data.x0)
-        algo = etrax_rule(method)
+        algo = etrax_rule(method, chunk_steps)
         state = etrax.state_of(graph)
 
         def online(state: etrax.ModelState, traces: Any, xs: Array, targets: Array) -> Any:

@@ -1,6 +1,7 @@
-"""Run the benchmarks (`nox -s bench`): `python benchmarks/run.py [executor|online|peer|scale ...]
-[--option ...]`; options (after the names) go to the suites that take them, e.g.
-`python benchmarks/run.py peer --matrix gpu --out DIR` (see `bench_peer.py`)."""
+"""Run the benchmarks (`nox -s bench`): `python benchmarks/run.py
+[executor|online|peer|chunks|scale ...] [--option ...]`; options (after the names) go
+to the suites that take them, e.g. `python benchmarks/run.py peer --matrix gpu --out
+DIR` (see `bench_peer.py`). With no names, every suite but `chunks` runs."""
 
 import sys
 from collections.abc import Callable, Sequence
@@ -18,6 +19,12 @@ def _peer(options: Sequence[str]) -> str:
     return bench_peer.run(options)
 
 
+def _chunks(options: Sequence[str]) -> str:
+    from benchmarks import bench_chunks  # builds its models with bench_peer's (braintrace)
+
+    return bench_chunks.run(options)
+
+
 def _scale(options: Sequence[str]) -> str:
     from benchmarks import bench_scale  # builds its models with bench_peer's (braintrace)
 
@@ -28,13 +35,14 @@ SUITES: dict[str, Callable[[Sequence[str]], str]] = {
     "executor": lambda options: bench_executor.run(),
     "online": lambda options: bench_online.run(),
     "peer": _peer,
+    "chunks": _chunks,
     "scale": _scale,
 }
 
 
 def main(argv: list[str]) -> int:
     split = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
-    names, options = argv[:split] or list(SUITES), argv[split:]
+    names, options = argv[:split] or [n for n in SUITES if n != "chunks"], argv[split:]
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         print(f"unknown benchmark(s) {unknown}; choose from {list(SUITES)}")

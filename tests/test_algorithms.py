@@ -709,7 +709,8 @@ class TwoGRUs(brainstate.nn.Module):
         self.out = brainstate.nn.Linear(n, 2)
 
     def update(self, x: Array) -> Array:
-        return self.out(self.l2(self.l1(x)))
+        out: Array = self.out(self.l2(self.l1(x)))
+        return out
 
 
 @pytest.mark.slow
@@ -731,6 +732,59 @@ def test_regions_of_a_stack_equal_the_per_step_gradients() -> None:
         first = _online(make(5), graph, state, xs[:1], ts[:1])
         for p in exact:
             assert rel_err(first[p], exact[p]) <= 1e-12, p
+
+
+_REGION_CASES = [c for c in CATALOGUE if c.name in ("gru", "gru_b2", "stacked_gru", "lstm")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _REGION_CASES, ids=[c.name for c in _REGION_CASES])
+def test_regions_of_small_models_equal_the_per_step_gradients(
+    case: ModelCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no size floor (`REGION_MIN_MACS` = 0), the small catalogue models form
+    their regions too, and their chunks still equal the per-step form."""
+    monkeypatch.setattr(etrax.compiler._perturb, "REGION_MIN_MACS", 0)
+    graph, state, xs, ts = _problem(case, 5)
+    hp = graph.hidden_perturb
+    assert hp is not None
+    if case.name != "lstm":
+        assert any(r is not None for r in hp.regions)
+    for make in _RULES.values():
+        per_step = _online(make(1), graph, state, xs, ts)
+        assert rel_err(_online(make(5), graph, state, xs, ts), per_step) <= 1e-12
+
+
+def test_the_default_chunk_follows_the_device_and_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``chunk_steps=None`` (the presets' default) chunks by 32 on the CPU; on an
+    accelerator it runs a model of one sample per step and a batched one in chunks.
+    An explicit length is kept everywhere, and the driver runs what `chunk_for` says."""
+    one, x1 = build(etrax.nn.GRUCell, 3, 4)
+    many, x2 = build(etrax.nn.GRUCell, 3, 4, batch=2)
+    g1, g2 = etrax.compile_etrace_graph(one, x1), etrax.compile_etrace_graph(many, x2)
+    rules: list[etrax.LearningRule[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    assert all(r.chunk_steps is None and r.chunk_size == 32 for r in rules)
+    assert [r.chunk_for(g) for r in rules for g in (g1, g2)] == [32] * 6
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert [r.chunk_for(g) for r in rules for g in (g1, g2)] == [1, 32] * 3
+    assert etrax.DRTRL(chunk_steps=8).chunk_for(g1) == 8
+    assert etrax.algorithms.default_chunk_steps(g1) == 1
+    state = etrax.state_of(g1)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (6, *x1.shape))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (6, 4))
+    algo = etrax.DRTRL()
+    traces = algo.init(g1, state)
+
+    def loops(rule: etrax.OnlineAlgorithm[Any]) -> int:
+        run = lambda s: etrax.online_grad(g1, rule, s, traces, xs, ts, mse)  # noqa: E731
+        return _loops(jax.make_jaxpr(run)(state).jaxpr)
+
+    assert loops(algo) == loops(etrax.DRTRL(chunk_steps=1)) == 1
+    assert loops(etrax.DRTRL(chunk_steps=6)) > 1  # the chunk's backward pass
+    grads = _online(algo, g1, state, xs, ts)
+    assert rel_err(grads, _online(etrax.DRTRL(chunk_steps=6), g1, state, xs, ts)) <= 1e-12
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 8, 9])
@@ -755,3 +809,19 @@ def test_short_sum_equals_a_sum(n: int, axis: int) -> None:
         np.testing.assert_allclose(
             _kernels._matmul(M, N), jnp.einsum("noac,nocb->noab", M, N), rtol=1e-12
         )
+
+
+def test_a_vmap_learner_of_a_batch_keeps_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `vmap` learner compiles one sample's graph but runs the whole batch each step:
+    with ``chunk_steps=None`` it chunks on an accelerator when the batch has more than
+    one sample (and runs per step for one)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    model = etrax.nn.GRUCell(3, 4)
+    x0 = jnp.zeros((5, 3))
+    learner = etrax.compile(model, etrax.DRTRL(), x0, batch_size=5, vmap=True)
+    assert learner._driver_rule.chunk_for(learner.graph) == 32
+    assert learner.algorithm.chunk_for(learner.graph) == 1
+    single = etrax.compile(etrax.nn.GRUCell(3, 4), etrax.DRTRL(), x0[:1], batch_size=1, vmap=True)
+    assert single._driver_rule.chunk_for(single.graph) == 1
+    explicit = etrax.compile(etrax.nn.GRUCell(3, 4), etrax.DRTRL(4), x0, batch_size=5, vmap=True)
+    assert explicit._driver_rule.chunk_for(explicit.graph) == 4

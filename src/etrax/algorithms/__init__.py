@@ -19,7 +19,7 @@ from ._axes import (
     Sparse,
     Symmetric,
 )
-from ._base import EffGrads, OnlineAlgorithm
+from ._base import DEFAULT_CHUNK_STEPS, EffGrads, OnlineAlgorithm, default_chunk_steps
 from ._check import (
     GradientCheck,
     ParamCheck,
@@ -51,6 +51,7 @@ from ._uoro import ProjectionTraces, RandomProjection
 from ._weights import operand_values, operands_to_params
 
 __all__ = [
+    "DEFAULT_CHUNK_STEPS",
     "DNI",
     "DRTRL",
     "ESDRTRL",
@@ -99,6 +100,7 @@ __all__ = [
     "check_gradients",
     "compare_gradients",
     "compile",
+    "default_chunk_steps",
     "evaluate",
     "online_evolve",
     "online_grad",

@@ -18,11 +18,13 @@ from ._plan import plan_of
 from ._weights import operand_values, operands_to_params
 
 __all__ = [
+    "DEFAULT_CHUNK_STEPS",
     "EffGrads",
     "OnlineAlgorithm",
     "Weights",
     "check_chunk_steps",
     "check_relations",
+    "default_chunk_steps",
     "zeros_eff",
 ]
 
@@ -34,9 +36,31 @@ Weights = Sequence[Mapping[str, Array]]
 
 
 def check_chunk_steps(name: str, steps: object) -> None:
-    """Raise `ValueError` unless `steps` (an algorithm's ``chunk_steps``) is a positive int."""
+    """Raise `ValueError` unless `steps` (an algorithm's ``chunk_steps``) is a positive
+    int or `None` (the default of `default_chunk_steps`)."""
+    if steps is None:
+        return
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"{name}: chunk_steps must be a positive int, got {steps!r}")
+        raise ValueError(f"{name}: chunk_steps must be a positive int or None, got {steps!r}")
+
+
+DEFAULT_CHUNK_STEPS = 32
+"""The chunk length of the chunked presets (`DRTRL`, `PPProp`, `EProp`) where
+`default_chunk_steps` does not pick the per-step form."""
+
+
+def default_chunk_steps(graph: ETraceGraph) -> int:
+    """The chunk length a rule with ``chunk_steps=None`` runs `graph` with:
+    `DEFAULT_CHUNK_STEPS`, or ``1`` (the per-step form) on an accelerator (the default
+    JAX backend is not the CPU) when every traced op runs on one sample (no batch,
+    or a batch of 1). There a step is a few kernel launches, and a chunk's stacking
+    writes add more than its stacked products save (on an H200, one GRU layer of
+    128 or 512 units at batch 1: D-RTRL 30.5 → 19.4 µs per step, e-prop 32.0 → 21.2;
+    at batch 32 the chunks win: D-RTRL 42.1 → 35.5 at 128 units, 123 → 49 at 512)."""
+    slots = plan_of(graph).slots
+    if jax.default_backend() == "cpu" or any(slot.nb > 1 for slot in slots):
+        return DEFAULT_CHUNK_STEPS
+    return 1
 
 
 def check_relations(graph: ETraceGraph, name: str) -> None:
@@ -166,6 +190,11 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
     @abc.abstractmethod
     def chunk_size(self) -> int:
         """Steps the sequence driver groups into one `chunk` call (1: per step)."""
+
+    def chunk_for(self, graph: ETraceGraph) -> int:
+        """The `chunk_size` the sequence driver uses on `graph` (a rule may pick it by
+        the graph and the device; by default `chunk_size`)."""
+        return self.chunk_size
 
     def streams(self, graph: ETraceGraph) -> bool:
         """Whether the sequence driver runs a chunk as one scan of `stream_step`

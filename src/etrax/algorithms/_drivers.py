@@ -670,7 +670,7 @@ def _online_impl(
     weights = operand_values(graph, state.params)
     T = jax.tree.leaves(xs)[0].shape[0]
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
-    K = algo.chunk_size
+    K = algo.chunk_for(graph)
 
     direct = bool(graph.hidden_perturb is not None and graph.hidden_perturb.direct_paths)
 

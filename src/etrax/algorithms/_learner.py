@@ -5,6 +5,7 @@ computation goes through the pure `online_grad` / `bptt_grad`. Hidden states liv
 in the model (read before, written after each call); traces live in the learner.
 """
 
+import dataclasses
 import pathlib
 import warnings
 from collections.abc import Callable, Hashable
@@ -31,7 +32,7 @@ from ..compiler import (
     compile_etrace_graph,
 )
 from ..executor import ModelState, state_of, write_back
-from ._base import OnlineAlgorithm, check_relations
+from ._base import DEFAULT_CHUNK_STEPS, OnlineAlgorithm, check_relations
 from ._drivers import (
     AuxLossFn,
     AuxT,
@@ -43,6 +44,7 @@ from ._drivers import (
     rejoin,
 )
 from ._presets import by_name
+from ._rule import LearningRule
 
 __all__ = ["LossOutput", "OnlineLearner", "compile"]
 
@@ -204,6 +206,18 @@ class OnlineLearner:
         )
         other = PathDict((p, mapped[p] if p in written else v) for p, v in state.other.items())
         return ModelState(state.params, hidden, other), traces, out
+
+    @property
+    def _driver_rule(self) -> OnlineAlgorithm[Any]:
+        """The algorithm `etrace_grad` runs: with `vmap` and a batch of more than one
+        sample, a rule that picks its chunk length from the graph (``chunk_steps=None``,
+        `default_chunk_steps`) is given `DEFAULT_CHUNK_STEPS`, since the graph is one
+        sample's but each step runs the whole batch."""
+        algo = self.algorithm
+        batched = self.vmap and (self.batch_size or 1) > 1
+        if batched and isinstance(algo, LearningRule) and algo.chunk_steps is None:
+            return dataclasses.replace(algo, chunk_steps=DEFAULT_CHUNK_STEPS)
+        return algo
 
     def _over_batch(self, tree: PyTree, how: Literal["sum", "time_first"]) -> PyTree:
         """With `vmap`: per-sample results summed over the batch, or stacked sequences
@@ -440,7 +454,7 @@ class OnlineLearner:
             x, t, mods = seq
             result = online_grad(
                 self.graph,
-                self.algorithm,
+                self._driver_rule,
                 st,
                 tr,
                 x,

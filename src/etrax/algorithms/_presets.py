@@ -44,7 +44,7 @@ __all__ = [
 
 
 def DRTRL(
-    chunk_steps: int = 32, *, trace_dtype: Any = None
+    chunk_steps: int | None = None, *, trace_dtype: Any = None
 ) -> LearningRule[ParamTraces]:  # a preset reads as the rule's name
     """Diagonal RTRL: a per-parameter trace ``ε ← D ε + x ⊗ df`` per (weight, group),
     contracted with ``∂L/∂h`` every step.
@@ -61,7 +61,9 @@ def DRTRL(
       trace is read and written once per chunk; results equal the per-step form).
       ``1`` runs the per-step form. At most this many: when it does not divide the
       sequence length, a divisor from half of it up is used if there is one, so that
-      every chunk is alike and the program is compiled with one chunk body.
+      every chunk is alike and the program is compiled with one chunk body. `None`
+      (default): 32, or ``1`` on a GPU when the model runs on one sample
+      (`default_chunk_steps`).
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     return LearningRule(
@@ -70,7 +72,10 @@ def DRTRL(
 
 
 def PPProp(
-    decay: ScalarLike = 0.9, chunk_steps: SupportsIndex = 32, *, trace_dtype: Any = None
+    decay: ScalarLike = 0.9,
+    chunk_steps: SupportsIndex | None = None,
+    *,
+    trace_dtype: Any = None,
 ) -> LearningRule[IOTraces]:
     """ES-D-RTRL (pp-prop): ``ε_x ← a ε_x + x``, ``ε_f ← a (D ⊛ ε_f) + (1 − a) df``, and
     the gradient ``contract(ε_x, Σ_a ε_f[a] L[a] / c)`` through one VJP-like
@@ -89,15 +94,15 @@ def PPProp(
       the chunk keeps is each step's input trace and signal per factorised slot, and
       the instantaneous-gradient operands of untraced weights, ``O(K · (I + O))`` per
       relation, for one product with ``K`` times the rows of a step's at the chunk's
-      end. ``1`` keeps only the traces. A positive Python or NumPy integer. The
-      chunks pay off wherever a step does real work, on a CPU or a GPU; on a GPU, a
-      step that is a few kernel launches (one GRU layer of 128 units at batch 1) can
-      run faster with ``1`` (see the benchmarks page).
+      end. ``1`` keeps only the traces. A positive Python or NumPy integer, or `None`
+      (default): 32, or ``1`` on a GPU when the model runs on one sample, where a step
+      is a few kernel launches and the chunk's stacking writes cost more than its
+      products save (`default_chunk_steps`).
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     return LearningRule(
         InputOutput(decay),
-        chunk_steps=steps_from(chunk_steps),
+        chunk_steps=None if chunk_steps is None else steps_from(chunk_steps),
         trace_dtype=trace_dtype,
         name="PPProp",
     )
@@ -111,7 +116,7 @@ def EProp(
     kappa: float = 0.0,
     feedback: Literal["symmetric", "random"] = "symmetric",
     key: PRNGKeyArray | None = None,
-    chunk_steps: int = 32,
+    chunk_steps: int | None = None,
     *,
     trace_dtype: Any = None,
 ) -> LearningRule[ParamTraces]:
@@ -126,7 +131,8 @@ def EProp(
       matrix replaces the readout's transpose).
     - `key`: a PRNG key, required for random feedback.
     - `chunk_steps`: steps the sequence driver re-associates into one fused update, as
-      for `DRTRL` (the filter is folded into the chunk exactly); ``1`` runs per step.
+      for `DRTRL` (the filter is folded into the chunk exactly); ``1`` runs per step,
+      `None` (default) picks 32 or ``1`` as for `DRTRL`.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     if not 0.0 <= kappa < 1.0:

@@ -32,7 +32,15 @@ from ._axes import (
     Symmetric,
     as_dtype,
 )
-from ._base import EffGrads, OnlineAlgorithm, Weights, check_chunk_steps, check_relations
+from ._base import (
+    DEFAULT_CHUNK_STEPS,
+    EffGrads,
+    OnlineAlgorithm,
+    Weights,
+    check_chunk_steps,
+    check_relations,
+    default_chunk_steps,
+)
 
 __all__ = ["LearningRule", "TraceFactorisation"]
 
@@ -146,6 +154,7 @@ class LearningRule(OnlineAlgorithm[TraceT]):
     - `filter`: `NoFilter()` (default) or `Kappa(kappa)` (per-parameter traces only).
     - `chunk_steps`: steps the sequence driver re-associates into one fused update
       (equal results; ``1`` is the per-step form); at most this many, see `DRTRL`.
+      `None`: chosen per graph and device (`default_chunk_steps`).
     - `trace_dtype`: the dtype traces are stored in (e.g. ``"bfloat16"``); the
       recursion and contractions compute in the model's dtype. `None`: the model's.
     - `name`: the name shown in errors and reports (the presets set it).
@@ -156,7 +165,7 @@ class LearningRule(OnlineAlgorithm[TraceT]):
     scope: Scope
     signal: Signal
     filter: Filter
-    chunk_steps: int = eqx.field(static=True)
+    chunk_steps: int | None = eqx.field(static=True)
     trace_dtype: str | None = eqx.field(static=True)
     name: str = eqx.field(static=True)
 
@@ -168,7 +177,7 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         signal: Signal = _SYMMETRIC,
         filter: Filter = _NO_FILTER,  # the axis's name
         *,
-        chunk_steps: int = 1,
+        chunk_steps: int | None = 1,
         trace_dtype: Any = None,
         name: str = "LearningRule",
     ) -> None:
@@ -207,7 +216,10 @@ class LearningRule(OnlineAlgorithm[TraceT]):
 
     @property
     def chunk_size(self) -> int:
-        return self.chunk_steps
+        return DEFAULT_CHUNK_STEPS if self.chunk_steps is None else self.chunk_steps
+
+    def chunk_for(self, graph: ETraceGraph) -> int:
+        return default_chunk_steps(graph) if self.chunk_steps is None else self.chunk_steps
 
     @property
     def needs_modulator(self) -> bool:

@@ -15,11 +15,12 @@ from ._jaxpr import Program
 from ._module_info import ModuleInfo, StateInfo, StateKind
 from ._normalise import CompilePolicy
 from ._perturb import (
+    REGION_MIN_MACS,
     add_hidden_perturbation_from_minfo,
     add_hidden_perturbation_in_module,
     perturb,
 )
-from ._perturbation import HiddenPerturbation
+from ._perturbation import HiddenPerturbation, Region
 from ._positions import PositionRule, register_position_rule
 from ._relate import (
     HiddenParamOpRelation,
@@ -35,6 +36,7 @@ from ._rewrite import RewrittenModule, rewrite
 from ._uses import ParamUse, UseRule
 
 __all__ = [
+    "REGION_MIN_MACS",
     "CompilationRecord",
     "CompilationReport",
     "CompilePolicy",
@@ -49,6 +51,7 @@ __all__ = [
     "ParamUse",
     "PositionRule",
     "Program",
+    "Region",
     "RelatedModule",
     "RelationTail",
     "RewrittenModule",
