@@ -425,7 +425,9 @@ def fix_reset_gates(model: brainstate.nn.Module) -> brainstate.nn.Module:
     return model
 
 
-def build_program(lib: Lib, method: str, cfg: Config, data: Data, chunk_steps: int = 32) -> Program:
+def build_program(
+    lib: Lib, method: str, cfg: Config, data: Data, chunk_steps: int | None = None
+) -> Program:
     """The compiled program of one (library, method) on fresh weights (etrax's online
     rules with `chunk_steps`)."""
     if method in ("forward", "BPTT"):
