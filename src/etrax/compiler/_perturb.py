@@ -24,8 +24,8 @@ A fourth, ``ε``, is added to every output of each equation that reads such a we
 (an *instant equation*), and the program also returns that equation's other operands:
 the gradient of ``ε`` is the equation's output cotangent, so the use's instantaneous
 gradient can be formed later, from stacked steps, as one product (chunked drivers).
-Where the routes from an instant equation's outputs all cross a product with another
-weight before they reach a step output (a GRU's reset gate, through the candidate's
+Where the routes from an instant equation's outputs all cross a product with other
+weights before they reach a model output (a GRU's reset gate, through the candidate's
 weight), ``ε`` is also added to those products' outputs and the program returns the
 values in between that the steps must keep (a `Region`): the cotangent is then pulled
 back through the products with the other weights once per chunk, not at every step.

@@ -19,9 +19,9 @@ class Region(NamedTuple):
     """Where an instant equation's output cotangent can be formed from stacked steps.
 
     The equations downstream of the instant equation's outputs, up to and including
-    the first product with another weight on every route (the *frontier*: a
-    ``dot_general`` or convolution whose other operand is a weight value), read no
-    value the step does not keep, and none of them is a step output. The step then
+    the first product with other weights on every route (the *frontier*: an ETP op, a
+    ``dot_general`` or a convolution whose other operands are all weight values); none
+    of the values before the frontier is a model output. The step then
     keeps the cotangents of the frontier products' outputs (their ``ε``) and the
     per-step values the region reads; the chunked drivers pull those cotangents back
     through the region for all the chunk's steps at once, so the products with the
