@@ -37,7 +37,7 @@ Weights = Sequence[Mapping[str, Array]]
 
 def check_chunk_steps(name: str, steps: object) -> None:
     """Raise `ValueError` unless `steps` (an algorithm's ``chunk_steps``) is a positive
-    int or `None` (the default of `default_chunk_steps`)."""
+    int or `None` (`default_chunk_steps` then picks it per graph)."""
     if steps is None:
         return
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
