@@ -660,6 +660,10 @@ def test_a_region_pulls_the_reset_gate_back_once_per_chunk(rule: str) -> None:
     state = etrax.state_of(graph)
     hp = graph.hidden_perturb
     assert hp is not None and sum(r is not None for r in hp.regions) == 1
+    region = next(r for r in hp.regions if r is not None)
+    # the steps keep the gate's pre-activation; its `x` and `h` are pieces of the
+    # `[x, h]` the steps keep for the gate's own product
+    assert len(region.values) == 1 and len(region.slices) == 2
     small, _ = build(etrax.nn.GRUCell, 3, 64, batch=1)
     small_hp = etrax.compile_etrace_graph(small, x[:1]).hidden_perturb
     assert small_hp is not None and all(r is None for r in small_hp.regions)

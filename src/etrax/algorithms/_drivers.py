@@ -416,6 +416,11 @@ def _region_cotangents(
     at = [hp.value_slots[n] for n in region.values]
     names = [eqns[e].invars[p] if p >= 0 else eqns[e].outvars[-1 - p] for e, p in at]
     stacked = [_kept(d.values[n]) for n in region.values]
+    for e, p, n, axis, start, size in region.slices:  # a piece of a kept operand
+        names.append(eqns[e].invars[p])
+        stacked.append(
+            jax.lax.slice_in_dim(_kept(d.operands[n]), start, start + size, axis=axis + 1)
+        )
     starts = sum(1 for v in eqns[i].outvars if not isinstance(v, DropVar))
 
     def operand(env: Mapping[Any, Any], e: int, p: int, atom: Any) -> Any:

@@ -224,14 +224,36 @@ class _Builder:
                     continue
                 if (e, p) not in self.weight_reads:
                     reads_at.setdefault(a, (e, p))
+        pieces = self._pieces(i)
+        slices = tuple((*at, *pieces[a]) for a, at in reads_at.items() if a in pieces)
         kept = [(i, -1 - k) for k, v in enumerate(eqns[i].outvars) if not isinstance(v, DropVar)]
-        kept += reads_at.values()
+        kept += [at for a, at in reads_at.items() if a not in pieces]
         values = []
         for slot in kept:
             if slot not in self.value_slots:
                 self.value_slots.append(slot)
             values.append(self.value_slots.index(slot))
-        return Region(tuple(members), tuple(frontier), tuple(values))
+        return Region(tuple(members), tuple(frontier), tuple(values), slices)
+
+    def _pieces(self, i: int) -> dict[Var, tuple[int, int, int, int]]:
+        """The variables that are a piece of one of instant equation `i`'s kept
+        operands, each with ``(operand slot, axis, start, size)``: the operands of the
+        concatenation that formed it (the ``x`` and ``h`` of a gate's ``[x; h]``)."""
+        producer = {v: e for e, eqn in enumerate(self.jaxpr.eqns[:i]) for v in eqn.outvars}
+        out: dict[Var, tuple[int, int, int, int]] = {}
+        for n, (j, pos) in enumerate(self.operand_slots):
+            operand = self.jaxpr.eqns[j].invars[pos]
+            e = producer.get(operand) if j == i and isinstance(operand, Var) else None
+            if e is None or str(self.jaxpr.eqns[e].primitive.name) != "concatenate":
+                continue
+            cat = self.jaxpr.eqns[e]
+            axis, start = int(cat.params["dimension"]), 0
+            for a in cat.invars:
+                size = int(struct_of(a).shape[axis])
+                if isinstance(a, Var):
+                    out.setdefault(a, (n, axis, start, size))
+                start += size
+        return out
 
     def _direct(self) -> None:
         """Equations on routes from old hidden values to the model's outputs that avoid

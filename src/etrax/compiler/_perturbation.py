@@ -33,11 +33,16 @@ class Region(NamedTuple):
     - `values`: indices into `HiddenPerturbation.value_slots` of the per-step values
       the region reads: the instant equation's outputs first (in order, dropped ones
       left out), then the other values.
+    - `slices`: the values the region reads that are a piece of one of the instant
+      equation's operands (the ``h`` of ``[x; h]``), which the steps keep anyway:
+      ``(equation, operand, operand slot, axis, start, size)``: where the region reads
+      it, the index into `HiddenPerturbation.operand_slots`, and the piece.
     """
 
     eqns: tuple[int, ...]
     frontier: tuple[tuple[int, int, int], ...]
     values: tuple[int, ...]
+    slices: tuple[tuple[int, int, int, int, int, int], ...] = ()
 
 
 def zero_perturbation(like: Any) -> Any:
