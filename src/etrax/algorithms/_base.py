@@ -56,7 +56,8 @@ def default_chunk_steps(graph: ETraceGraph) -> int:
     or a batch of 1). There a step is a few kernel launches, and a chunk's stacking
     writes add more than its stacked products save (on an H200, one GRU layer of
     128 or 512 units at batch 1: D-RTRL 30.5 → 19.4 µs per step, e-prop 32.0 → 21.2;
-    at batch 32 the chunks win: D-RTRL 42.1 → 35.5 at 128 units, 123 → 49 at 512)."""
+    at batch 32 the chunks win: D-RTRL 42.1 → 35.5 at 128 units, 123 → 49 at 512; on a
+    2-core CPU they win at batch 1 too: D-RTRL 23.4 → 13.8 at 128 units)."""
     slots = plan_of(graph).slots
     if jax.default_backend() == "cpu" or any(slot.nb > 1 for slot in slots):
         return DEFAULT_CHUNK_STEPS
