@@ -42,9 +42,16 @@ CONFIGS = (
 def _arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="run.py chunks", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--only", type=_parse_config, nargs="+", default=None, metavar="MODEL:L:H:B"
+        "--only",
+        type=_parse_config,
+        nargs="+",
+        default=None,
+        metavar="MODEL:L:H:B",
+        help="these configurations instead of the default five, e.g. GRU:1:512:32",
     )
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--chunks", type=int, nargs="+", default=[1, 8, 32], help="the chunk lengths to time"
+    )
     parser.add_argument("--steps", type=int, default=64, help="T, steps per call")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--min-time", type=float, default=0.1, help="seconds per sample")
