@@ -24,7 +24,7 @@ from .bench_peer import (
     Lib,
     Program,
     _interleaved,
-    _parse_config,
+    add_only_option,
     build_program,
     make_data,
 )
@@ -41,14 +41,7 @@ CONFIGS = (
 
 def _arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="run.py chunks", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--only",
-        type=_parse_config,
-        nargs="+",
-        default=None,
-        metavar="MODEL:L:H:B",
-        help="these configurations instead of the default five, e.g. GRU:1:512:32",
-    )
+    add_only_option(parser)
     parser.add_argument(
         "--chunks", type=int, nargs="+", default=[1, 8, 32], help="the chunk lengths to time"
     )

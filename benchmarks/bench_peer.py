@@ -884,6 +884,18 @@ def _parse_config(text: str) -> Config:
     return Config(kind, int(layers), int(hidden), int(batch))
 
 
+def add_only_option(parser: argparse.ArgumentParser) -> None:
+    """``--only MODEL:L:H:B ...``: these configurations instead of the suite's own."""
+    parser.add_argument(
+        "--only",
+        type=_parse_config,
+        nargs="+",
+        default=None,
+        metavar="MODEL:L:H:B",
+        help="these configurations instead, e.g. GRU:1:512:32",
+    )
+
+
 def _arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="run.py peer", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -893,14 +905,7 @@ def _arguments(argv: Sequence[str]) -> argparse.Namespace:
         help="configurations (default: gpu on a GPU, else cpu)",
     )
     parser.add_argument("--full", action="store_true", help="the whole matrix (--matrix full)")
-    parser.add_argument(
-        "--only",
-        type=_parse_config,
-        nargs="+",
-        default=None,
-        metavar="MODEL:L:H:B",
-        help="these configurations instead, e.g. GRU:1:512:32",
-    )
+    add_only_option(parser)
     parser.add_argument(
         "--steps", type=int, default=None, help="T, steps per call (default: 32 on CPU, else 64)"
     )
