@@ -580,11 +580,13 @@ def _scan_outputs(jaxpr: Any, length: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-def test_a_chunk_stacks_an_input_once() -> None:
+def test_a_chunk_stacks_an_input_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GRU's reset-gate product reads ``[x, h]``, the input of the update gate's
     traced product too: a D-RTRL chunk stacks it once, with the Jacobians, for both
     the trace recursion and the reset gate's deferred instantaneous gradient (and
-    the gradient is the per-step one)."""
+    the gradient is the per-step one). Packing is off, so each stacked value is its
+    own output."""
+    monkeypatch.setattr(etrax.algorithms._drivers, "PACK_MAX_BYTES", 0)
     model, x = build(etrax.nn.GRUCell, 3, 4, batch=2)
     graph = etrax.compile_etrace_graph(model, x)
     state = etrax.state_of(graph)
@@ -602,6 +604,61 @@ def test_a_chunk_stacks_an_input_once() -> None:
     assert stacked.count((6, 2, 3 + 4)) == 2  # [x, h] once, and the candidate's [x, r h]
     per_step = _online(etrax.DRTRL(chunk_steps=1), graph, state, xs, ts)
     assert rel_err(_online(algo, graph, state, xs, ts), per_step) <= 1e-12
+
+
+@pytest.mark.parametrize("rule", ["drtrl", "pp", "eprop"])
+def test_small_step_outputs_are_stacked_as_one_array(
+    rule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's small per-step outputs (`PACK_MAX_BYTES`) leave the step as one
+    vector, stacked once per step; the gradient and the carried traces are those of
+    the unpacked program. Negative control: with packing off, the same chunk stacks
+    several outputs of the step's size."""
+    model, x = build(etrax.nn.GRUCell, 3, 4, batch=2)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (6, *x.shape))
+    y0, _ = etrax.forward(graph, state, x)
+    ts = jax.random.normal(jax.random.PRNGKey(1), (6, *y0.shape))
+    algo = _RULES[rule](6)
+    traces = algo.init(graph, state)
+
+    def run() -> Any:
+        return etrax.online_grad(graph, algo, state, traces, xs, ts, mse)
+
+    def stacked() -> list[tuple[int, ...]]:
+        shapes = _scan_outputs(jax.make_jaxpr(run)().jaxpr, 6)
+        return [s for s in shapes if len(s) > 1]  # a stacked array, not the losses
+
+    packed = stacked()
+    packed_grads, packed_aux = run()
+    monkeypatch.setattr(etrax.algorithms._drivers, "PACK_MAX_BYTES", 0)
+    jax.clear_caches()  # type: ignore[no-untyped-call]  # the traces above are cached
+    apart = stacked()
+    grads, aux = run()
+    assert sum(len(s) == 2 for s in packed) >= 1  # one (K, n) vector per step
+    assert len(apart) > len(packed)
+    assert rel_err(packed_grads, grads) <= 1e-12
+    assert rel_err(packed_aux["traces"], aux["traces"]) <= 1e-12
+
+
+def test_packing_keeps_large_outputs_apart() -> None:
+    """`_pack_plan` takes the smallest leaves first while they fit, leaves weakly typed
+    ones and a lone leaf alone, and groups by dtype."""
+    plan_of_leaves = etrax.algorithms._drivers._pack_plan
+    limit = etrax.algorithms._drivers.PACK_MAX_BYTES
+    big = jnp.zeros((limit // 4,), jnp.float32)  # fills the limit alone
+    small = [jnp.zeros((3,), jnp.float32), jnp.zeros((2, 2), jnp.float32)]
+    weak = jnp.asarray(1.0)  # a weakly typed scalar
+    assert etrax._compat.aval_of(weak).weak_type
+    partner = jnp.zeros((2,), weak.dtype)  # with it, the weak one would make a pair
+    ints = [jnp.zeros((2,), jnp.int32), jnp.zeros((), jnp.int32)]
+    plan = plan_of_leaves([big, *small, weak, partner, *ints])
+    assert plan[jnp.dtype(jnp.int32)] == [5, 6]
+    assert plan[jnp.dtype(jnp.float32)] == ([1, 2, 4] if weak.dtype == jnp.float32 else [1, 2])
+    assert all(3 not in idx for idx in plan.values())
+    assert len(plan) == 2
+    assert plan_of_leaves([big, small[0]]) == {}  # the small one is alone: nothing to pack
 
 
 def _products_with(jaxpr: Any, shape: tuple[int, ...], length: int, inside: bool = False) -> int:
@@ -654,7 +711,7 @@ def test_a_region_pulls_the_reset_gate_back_once_per_chunk(rule: str) -> None:
     steps keep the candidate product's output cotangent, and the product with that
     weight's transpose runs once per chunk (the steps multiply by the ``(67, 64)``
     weights only in the three forward products), with the per-step form's gradients.
-    At batch 1 the product is too small for a region (`REGION_MIN_MACS`)."""
+    A GRU of 16 units at batch 1 is too small for a region (`REGION_MIN_MACS`)."""
     model, x = build(etrax.nn.GRUCell, 3, 64, batch=32)  # above `REGION_MIN_MACS`
     graph = etrax.compile_etrace_graph(model, x)
     state = etrax.state_of(graph)
@@ -664,7 +721,7 @@ def test_a_region_pulls_the_reset_gate_back_once_per_chunk(rule: str) -> None:
     # the steps keep the gate's pre-activation; its `x` and `h` are pieces of the
     # `[x, h]` the steps keep for the gate's own product
     assert len(region.values) == 1 and len(region.slices) == 2
-    small, _ = build(etrax.nn.GRUCell, 3, 64, batch=1)
+    small, _ = build(etrax.nn.GRUCell, 3, 16, batch=1)
     small_hp = etrax.compile_etrace_graph(small, x[:1]).hidden_perturb
     assert small_hp is not None and all(r is None for r in small_hp.regions)
     xs = jax.random.normal(jax.random.PRNGKey(0), (6, *x.shape))

@@ -28,7 +28,14 @@ from ._check import (
     t1_tolerance,
 )
 from ._dni import SyntheticGradient
-from ._drivers import BPTTResult, OnlineResult, bptt_grad, online_evolve, online_grad
+from ._drivers import (
+    PACK_MAX_BYTES,
+    BPTTResult,
+    OnlineResult,
+    bptt_grad,
+    online_evolve,
+    online_grad,
+)
 from ._drtrl import ParamTraces, PerParameter
 from ._evaluate import Evaluation, evaluate
 from ._learner import OnlineLearner, compile
@@ -55,6 +62,7 @@ __all__ = [
     "DNI",
     "DRTRL",
     "ESDRTRL",
+    "PACK_MAX_BYTES",
     "PRESETS",
     "UORO",
     "BPTTResult",

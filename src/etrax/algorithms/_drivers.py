@@ -24,6 +24,7 @@ from jaxtyping import Array
 from .._compat import (
     DropVar,
     Literal,
+    aval_of,
     bind_equation,
     shape_struct,
     struct_of,
@@ -614,6 +615,63 @@ def _without_aux(loss_fn: LossFn, y: PyTree, target: PyTree) -> tuple[Array, PyT
 # --- online, per step or chunked ------------------------------------------------------------
 
 
+PACK_MAX_BYTES = 1 << 14
+"""A chunk's per-step outputs of at most this many bytes per step (per dtype) are
+stacked as one array (`_packed_scan`): one buffer write per step instead of one per
+output, which is what a small model's step spends its time on."""
+
+
+def _pack_plan(leaves: list[Any]) -> dict[Any, list[int]]:
+    """Which of a step's output `leaves` go into one vector per dtype: the smallest
+    first, while they fit in `PACK_MAX_BYTES`; only groups of two or more (weakly
+    typed leaves stay apart, so they keep their type)."""
+    groups: dict[Any, list[int]] = {}
+    for i in sorted(range(len(leaves)), key=lambda i: leaves[i].size):
+        if aval_of(leaves[i]).weak_type:
+            continue
+        dt = jnp.dtype(leaves[i].dtype)
+        taken = groups.setdefault(dt, [])
+        if (sum(leaves[j].size for j in taken) + leaves[i].size) * dt.itemsize <= PACK_MAX_BYTES:
+            taken.append(i)
+    return {dt: sorted(idx) for dt, idx in groups.items() if len(idx) > 1}
+
+
+def _packed_scan(
+    body: Callable[[Any, Any], tuple[Any, PyTree]], carry: Any, xs: Any
+) -> tuple[Any, PyTree]:
+    """``jax.lax.scan(body, carry, xs)`` whose small per-step outputs of each dtype
+    (`_pack_plan`) are raveled into one vector per step, stacked as one ``(K, n)``
+    array and split again after the loop: the same values, with one buffer write per
+    step instead of one per output (what a small model's step spends its time on)."""
+    layout: list[Any] = []  # (treedef, leaf shapes, plan), set when `body` is traced
+
+    def packed_body(c: Any, x: Any) -> Any:
+        c, out = body(c, x)
+        flat, treedef = jax.tree.flatten(out)
+        plan = _pack_plan(flat)
+        layout.append((treedef, [a.shape for a in flat], plan))
+        members = {i for idx in plan.values() for i in idx}
+        rest = [a for i, a in enumerate(flat) if i not in members]
+        vecs = [jnp.concatenate([flat[i].ravel() for i in idx]) for idx in plan.values()]
+        return c, (vecs, rest)
+
+    carry, (vecs, rest) = jax.lax.scan(packed_body, carry, xs)
+    treedef, shapes, plan = layout[-1]
+    flat_out: list[Any] = [None] * len(shapes)
+    members = {i for idx in plan.values() for i in idx}
+    rest_iter = iter(rest)
+    for i in range(len(shapes)):
+        if i not in members:
+            flat_out[i] = next(rest_iter)
+    for vec, idx in zip(vecs, plan.values(), strict=True):
+        start = 0
+        for i in idx:
+            n = math.prod(shapes[i])
+            flat_out[i] = vec[:, start : start + n].reshape(vec.shape[0], *shapes[i])
+            start += n
+    return carry, jax.tree.unflatten(treedef, flat_out)
+
+
 def _block_length(T: int, K: int) -> int:
     """The steps per chunk for a sequence of `T` steps and ``chunk_steps = K``: `K`, or,
     when `K` leaves a shorter last chunk, the largest divisor of `T` from ``K / 2`` up
@@ -729,12 +787,12 @@ def _online_impl(
 
         def chunk_body(carry: Any, inp: Any) -> Any:
             if streamed:  # one scan; only what the stacked products need is kept per step
-                carry, (loss, deferred, saved) = jax.lax.scan(stream_step, carry, inp)
+                carry, (loss, deferred, saved) = _packed_scan(stream_step, carry, inp)
                 st, tr, acc_eff, acc_pi, acc_sub = carry
                 acc_eff = add_eff(acc_eff, algo.stream_finish(graph, saved, weights))
             else:  # the chunk's Jacobians stacked, for the rule's re-associated update
                 st, tr, acc_eff, acc_pi, acc_sub = carry
-                (st, acc_pi, acc_sub), (loss, jacs, sigs, olds, deferred) = jax.lax.scan(
+                (st, acc_pi, acc_sub), (loss, jacs, sigs, olds, deferred) = _packed_scan(
                     functools.partial(signal_step, stacked_jacobians=True),
                     (st, acc_pi, acc_sub),
                     inp,

@@ -67,12 +67,14 @@ _LINEAR = frozenset(
     }
 )  # fmt: skip
 
-REGION_MIN_MACS = 1 << 17
+REGION_MIN_MACS = 1 << 12
 """The smallest per-step product (multiply-adds, estimated as the data operand's
 elements times the weight's over the data's last axis) through a region's frontier
-weights that is worth a `Region`: below it (a GRU of 128 units at batch 1: 17,792), the
-product costs a step less than keeping the region's values, and the region's
-chunk-end work only lengthens the compile (measured on a 2-core CPU)."""
+weights that is worth a `Region`: below it (a GRU of 16 units at batch 1: 304; of 64
+units: 4,288), the step is all fixed costs, and the region's chunk-end work only
+lengthens the compile. The values a small region keeps per step leave the step in the
+one vector the driver packs its small outputs into (`PACK_MAX_BYTES`), so they cost no
+extra write (measured on a 2-core CPU)."""
 
 _CROSSED: Hashable = "crossed"
 _OWN: Hashable = "own"
