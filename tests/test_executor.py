@@ -242,3 +242,27 @@ def test_paths_mixing_ints_and_strings() -> None:
     assert ("layers", 0, "fc", "weight") in state.params and ("norm", "weight") in state.params
     y, state, _jac = etrax.step(graph, state, jnp.ones(3))
     assert y.shape == (2,)
+
+
+def test_state_of_passes_arrays_of_the_compiled_type_through() -> None:
+    """`state_of` hands a state's value on as it is when it already is a concrete,
+    strongly typed array of the compiled dtype (a learner reads every state at each
+    call), and converts anything else: a NumPy array, another dtype, a weak type."""
+    model, x = build(etrax.nn.GRUCell, 3, 4, batch=2)
+    graph = etrax.compile_etrace_graph(model, x)
+    first, second = etrax.state_of(graph), etrax.state_of(graph)
+    pairs = zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params), strict=True)
+    assert all(a is b for a, b in pairs)
+    (path,) = first.hidden
+    dtype = first.hidden[path].dtype
+    ref = model.h  # type: ignore[attr-defined]  # the GRU's one hidden state
+    for value in (
+        np.ones((2, 4), np.float32),
+        jnp.ones((2, 4), jnp.float32 if dtype != jnp.float32 else jnp.float16),
+        jnp.ones((2, 4), jnp.int32),
+        jnp.full((2, 4), 1.0),  # weakly typed
+    ):
+        ref.value = value
+        read = etrax.state_of(graph).hidden[path]
+        assert read.dtype == dtype and not read.weak_type
+        assert np.array_equal(np.asarray(read), np.ones((2, 4)))

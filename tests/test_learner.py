@@ -314,6 +314,32 @@ def test_a_silent_network_warns() -> None:
         alive.etrace_grad(xs, jnp.ones((20, 8, 16)), loss)
 
 
+def test_silence_checks_agree_in_the_program_and_on_the_host() -> None:
+    """The silent-network check runs in the program off the CPU (`_silence`) and on
+    the host on the CPU (`_silence_host`, which stops at the first deciding leaf):
+    both give the same flags for unchanged and moved hidden groups and for all-zero
+    and nonzero gradients."""
+    brainstate.random.seed(0)
+    learner = etrax.compile(
+        TwoLayerSpiking(etrax.nn.LIF), etrax.DRTRL(), jnp.zeros((8, 10)), batch_size=8
+    )
+    before = etrax.state_of(learner.graph)
+    first = next(iter(before.hidden))
+    moved = before.replace_hidden(
+        {p: v + 1.0 if p == first else v for p, v in before.hidden.items()}
+    )
+    zeros = jax.tree.map(jnp.zeros_like, before.params)
+    ones = jax.tree.map(jnp.ones_like, before.params)
+    seen = set()
+    for after in (before, moved):
+        for grads in (zeros, ones):
+            still, all_zero = learner._silence(before, after, grads)
+            host_still, host_zero = learner._silence_host(before, after, grads)
+            assert still.tolist() == host_still and bool(all_zero) == host_zero
+            seen.add((tuple(host_still), host_zero))
+    assert len(seen) == 4  # each case is told apart
+
+
 # --- has_aux, loss_output, vmap ------------------------------------------------------------
 
 

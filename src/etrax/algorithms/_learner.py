@@ -478,7 +478,7 @@ class OnlineLearner:
             grads, losses, raw = self._over_batch((grads, losses, raw), "sum")
             aux = self._over_batch(aux, "time_first")
             shown = {"weighted": losses, "per_step": raw, "total": jnp.sum(losses)}[loss_output]
-            silent = None if on_host else self._silence(before, state, grads, jnp)
+            silent = None if on_host else self._silence(before, state, grads)
             return moving_parts(state), traces, grads, shown, aux, silent
 
         # On the CPU the results are in host memory: reading them there is cheaper than
@@ -494,50 +494,67 @@ class OnlineLearner:
             before, self.traces, xs, ys, mask, modulators
         )
         state = rejoin(before.params, moving)
-        self._warn_if_silent(*(self._silence(before, state, grads, np) if on_host else silent))
+        self._warn_if_silent(*(self._silence_host(before, state, grads) if on_host else silent))
         write_back(self.graph, state)
         self.traces = traces
         if return_value:
             return (grads, shown, aux) if has_aux else (grads, shown)
         return (grads, aux) if has_aux else grads
 
-    def _silence(
-        self, before: ModelState, after: ModelState, grads: Grads, xp: ModuleType
-    ) -> tuple[Array | np.ndarray, Array | np.bool_ | np.ndarray]:
-        """Per hidden group, whether it did not change over the sequence; and whether
-        every gradient is exactly zero. `xp` is `jax.numpy` (inside the program) or
-        `numpy` (on the host, for results in host memory)."""
+    def _silence(self, before: ModelState, after: ModelState, grads: Grads) -> tuple[Array, Array]:
+        """Inside the program: per hidden group, whether it did not change over the
+        sequence; and whether every gradient is exactly zero."""
 
-        def leaves(tree: PyTree) -> list[Any]:  # leaf by leaf: values may carry units
-            return [xp.asarray(a) for a in jax.tree.leaves(tree)]
+        def leaves(tree: PyTree) -> list[Array]:  # leaf by leaf: values may carry units
+            return [jnp.asarray(a) for a in jax.tree.leaves(tree)]
 
         still = [
-            xp.all(
-                xp.stack(
+            jnp.all(
+                jnp.stack(
                     [
-                        xp.array_equal(a, b)
+                        jnp.array_equal(a, b)
                         for p in g.hidden_paths
                         for a, b in zip(
                             leaves(before.hidden[p]), leaves(after.hidden[p]), strict=True
                         )
                     ]
-                    or [xp.asarray(False)]
+                    or [jnp.asarray(False)]
                 )
             )
             for g in self.graph.hidden_groups
         ]
-        nonzero = [xp.any(g) for g in leaves(grads)]  # NaN counts as nonzero
-        all_zero = xp.logical_not(xp.any(xp.stack(nonzero))) if nonzero else xp.asarray(False)
-        return (xp.stack(still) if still else xp.zeros((0,), bool)), all_zero
+        nonzero = [jnp.any(g) for g in leaves(grads)]  # NaN counts as nonzero
+        all_zero = jnp.logical_not(jnp.any(jnp.stack(nonzero))) if nonzero else jnp.asarray(False)
+        return (jnp.stack(still) if still else jnp.zeros((0,), bool)), all_zero
 
-    def _warn_if_silent(
-        self, still: Array | np.ndarray, all_zero: Array | np.bool_ | np.ndarray
-    ) -> None:
+    def _silence_host(
+        self, before: ModelState, after: ModelState, grads: Grads
+    ) -> tuple[list[bool], bool]:
+        """`_silence` for results in host memory, stopping at the first leaf that
+        decides (a learner pays this at every call: typically one leaf each)."""
+
+        def leaves(tree: PyTree) -> list[Any]:  # leaf by leaf: values may carry units
+            return jax.tree.leaves(tree)
+
+        still = [
+            any(True for p in g.hidden_paths for _ in leaves(before.hidden[p]))
+            and all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for p in g.hidden_paths
+                for a, b in zip(leaves(before.hidden[p]), leaves(after.hidden[p]), strict=True)
+            )
+            for g in self.graph.hidden_groups
+        ]
+        all_zero = bool(leaves(grads)) and not any(
+            np.any(np.asarray(g)) for g in leaves(grads)
+        )  # NaN counts as nonzero
+        return still, all_zero
+
+    def _warn_if_silent(self, still: Array | list[bool], all_zero: Array | bool) -> None:
         """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
         sequence, or every gradient is exactly zero."""
-        unchanged = [
-            g.index for g, s in zip(self.graph.hidden_groups, still.tolist(), strict=True) if s
-        ]
+        flags = still if isinstance(still, list) else still.tolist()
+        unchanged = [g.index for g, s in zip(self.graph.hidden_groups, flags, strict=True) if s]
         if unchanged:
             warnings.warn(
                 f"hidden group(s) {unchanged} did not change over the sequence: the inputs may "

@@ -13,7 +13,7 @@ from jaxtyping import Array
 from .._errors import StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
-from ..compiler import ETraceGraph, StateInfo, StateKind
+from ..compiler import ETraceGraph, StateKind
 
 __all__ = [
     "ModelState",
@@ -65,10 +65,17 @@ class ModelState(eqx.Module):
         return ModelState(self.params, PathDict((p, hidden[p]) for p in self.hidden), self.other)
 
 
-def _canonical(info: StateInfo, value: PyTree) -> PyTree:
-    leaves = jax.tree.leaves(value)
-    fixed = [jnp.asarray(leaf, dtype=dt) for leaf, dt in zip(leaves, info.dtypes, strict=True)]
-    return jax.tree.unflatten(info.treedef, fixed)
+def _as_dtype(leaf: Any, dtype: Any) -> Any:
+    """`leaf` as a strongly typed array of `dtype`: itself when it already is one (a
+    concrete array: no dispatch, which a learner's every call would pay per state)."""
+    if (
+        isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)
+        and leaf.dtype == dtype
+        and not leaf.weak_type
+    ):
+        return leaf
+    return jnp.asarray(leaf, dtype=dtype)
 
 
 def require_graph(graph: object, where: str) -> None:
@@ -92,11 +99,29 @@ def state_of(graph: ETraceGraph) -> ModelState:
     jitted step sees the same types on every call.
     """
     require_graph(graph, "state_of")
-    mi = graph.module_info
     groups: dict[StateKind, PathDict[PyTree]] = {k: PathDict() for k in StateKind}
-    for info, ref in zip(mi.states, mi.state_refs.states, strict=True):
-        groups[info.kind][info.path] = _canonical(info, ref.value)
+    for kind, path, dtypes, treedef, ref in _reads(graph):
+        leaves = jax.tree.leaves(ref.value)
+        fixed = [_as_dtype(leaf, dt) for leaf, dt in zip(leaves, dtypes, strict=True)]
+        groups[kind][path] = jax.tree.unflatten(treedef, fixed)
     return ModelState(groups[StateKind.WEIGHT], groups[StateKind.HIDDEN], groups[StateKind.OTHER])
+
+
+_Read: TypeAlias = tuple[StateKind, Path, tuple[Any, ...], Any, Any]
+
+
+def _reads(graph: ETraceGraph) -> tuple[_Read, ...]:
+    """Per state: its kind, path, leaf dtypes, tree structure and brainstate state,
+    listed once per graph as plain tuples (a learner reads them at every call)."""
+
+    def build() -> tuple[_Read, ...]:
+        mi = graph.module_info
+        return tuple(
+            (info.kind, info.path, tuple(info.dtypes), info.treedef, ref)
+            for info, ref in zip(mi.states, mi.state_refs.states, strict=True)
+        )
+
+    return graph.memo.get("state_reads", build)
 
 
 def _describe(value: Any) -> str:
