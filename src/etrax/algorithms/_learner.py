@@ -532,23 +532,20 @@ class OnlineLearner:
     ) -> tuple[list[bool], bool]:
         """`_silence` for results in host memory, stopping at the first leaf that
         decides (a learner pays this at every call: typically one leaf each)."""
-
-        def leaves(tree: PyTree) -> list[Any]:  # leaf by leaf: values may carry units
-            return jax.tree.leaves(tree)
-
-        still = [
-            any(True for p in g.hidden_paths for _ in leaves(before.hidden[p]))
-            and all(
-                np.array_equal(np.asarray(a), np.asarray(b))
+        still = []
+        for g in self.graph.hidden_groups:
+            pairs = [
+                pair
                 for p in g.hidden_paths
-                for a, b in zip(leaves(before.hidden[p]), leaves(after.hidden[p]), strict=True)
+                for pair in zip(
+                    jax.tree.leaves(before.hidden[p]), jax.tree.leaves(after.hidden[p]), strict=True
+                )
+            ]
+            still.append(
+                bool(pairs) and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs)
             )
-            for g in self.graph.hidden_groups
-        ]
-        all_zero = bool(leaves(grads)) and not any(
-            np.any(np.asarray(g)) for g in leaves(grads)
-        )  # NaN counts as nonzero
-        return still, all_zero
+        leaves = jax.tree.leaves(grads)  # NaN counts as nonzero
+        return still, bool(leaves) and not any(np.any(np.asarray(g)) for g in leaves)
 
     def _warn_if_silent(self, still: Array | list[bool], all_zero: Array | bool) -> None:
         """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
