@@ -16,7 +16,9 @@ executable of one ``T``-step call, so no Python dispatch is timed), XLA's compil
 scratch memory (``memory_analysis().temp_size_in_bytes``), and the time to first
 gradient (each library's user path from an initialised model: graph compile, tracing,
 XLA compile and the first call), with the number of XLA compilations a second call
-with new input values triggers. Ratios are to the same library's forward step and
+with new input values triggers; and, for pp-prop, the time of one call through each
+library's user path, Python included (``learner.etrace_grad`` against braintrace's
+jitted ``etrace_grad``). Ratios are to the same library's forward step and
 etrax / braintrace. Results go to ``<out>/peer_<device>.md`` and ``.png``.
 
 braintrace is imported only here; it is installed by ``nox -s bench`` and never in the
@@ -556,6 +558,36 @@ def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
 # --- one configuration, interleaved --------------------------------------------------
 
 
+CALLED = "pp-prop"
+"""The online method whose call through each library's user path is also timed."""
+
+
+def user_call(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
+    """One `T`-step gradient call through `lib`'s user path on fresh weights, compiled
+    (etrax: `learner.etrace_grad`, which also reads the model's states, writes the new
+    hidden values back and checks for a silent network; braintrace: its jitted
+    `etrace_grad`): what a training loop pays per call, Python included."""
+    call: Callable[[], Any]
+    if lib == "etrax":
+        learner = etrax.compile(
+            make_model(lib, cfg), etrax_rule(method), data.x0, batch_size=cfg.batch_size
+        )
+
+        def call() -> Any:
+            return learner.etrace_grad(data.xs, data.targets, mse)
+
+    else:
+        jitted = brainstate.transform.jit(
+            _braintrace_grad(_braintrace_learner(method, make_model(lib, cfg), cfg, data.x0))
+        )
+
+        def call() -> Any:
+            return jitted(data.xs, data.targets)
+
+    block(call())
+    return Program(call, math.nan)
+
+
 @dataclasses.dataclass(frozen=True)
 class Measured:
     step_s: float
@@ -595,9 +627,10 @@ def _interleaved(
 
 def measure(
     cfg: Config, index: int, T: int, rounds: int, min_time: float, first_repeats: int
-) -> tuple[dict[tuple[Lib, str], Measured], float | None]:
-    """Every (library, method) of `cfg`; and, for GRU models, the per-step seconds of
-    etrax's pp-prop with fixed reset gates (`FIXED_WR`), interleaved with the others."""
+) -> tuple[dict[tuple[Lib, str], Measured], float | None, dict[Lib, float]]:
+    """Every (library, method) of `cfg`; for GRU models, the per-step seconds of
+    etrax's pp-prop with fixed reset gates (`FIXED_WR`); and each library's seconds
+    per `CALLED` call through its user path (`user_call`); all interleaved."""
     data = make_data(cfg, T)
     firsts: dict[tuple[Lib, str], FirstCall] = {}
     # time to first gradient first, while nothing of this size has been compiled; the
@@ -614,12 +647,15 @@ def measure(
     }
     if cfg.model == "GRU":
         programs["etrax", FIXED_WR] = build_program("etrax", FIXED_WR, cfg, data)
+    for lib in LIBS:
+        programs[lib, USER_CALL] = user_call(lib, CALLED, cfg, data)
     per_call = _interleaved(programs, rounds, min_time)
     fixed = per_call.pop(("etrax", FIXED_WR), None)
+    calls = {lib: per_call.pop((lib, USER_CALL)) for lib in LIBS}
     measured = {
         key: Measured(per_call[key] / T, programs[key].scratch_mib, firsts[key]) for key in per_call
     }
-    return measured, None if fixed is None else fixed / T
+    return measured, None if fixed is None else fixed / T, calls
 
 
 # --- report ------------------------------------------------------------------------
@@ -760,6 +796,47 @@ that both libraries do the same work; interleaved with the rows above.
 """
 
 
+USER_CALL = "user call"
+
+
+def _user_call_section(
+    results: dict[Config, dict[tuple[Lib, str], Measured]],
+    calls: dict[Config, dict[Lib, float]],
+    T: int,
+) -> str:
+    """Each library's `CALLED` call through its user path beside etrax's program."""
+    if not calls:
+        return ""
+    rows = []
+    for cfg, by_lib in calls.items():
+        e, b = by_lib["etrax"], by_lib["braintrace"]
+        program = results[cfg]["etrax", CALLED].step_s * T
+        rows.append(
+            [
+                cfg.model, str(cfg.layers), str(cfg.hidden), str(cfg.batch),
+                f"{e * 1e6:,.0f}", f"{b * 1e6:,.0f}", _ratio(e, b), f"{program * 1e6:,.0f}",
+            ]
+        )  # fmt: skip
+    return f"""
+## {CALLED} per call through the user path
+
+One {T}-step gradient call as a training loop makes it, Python included: etrax's
+`learner.etrace_grad` (which also reads the model's states, writes the new hidden
+values back and checks for a silent network) and braintrace's jitted `etrace_grad`;
+interleaved with the rows above. "etrax program" is the executable of the per-step
+table, for scale: it is not the learner's own program (which returns other outputs),
+so at large sizes a call can take less.
+
+{table(USER_CALL_HEADER, rows)}
+"""
+
+
+USER_CALL_HEADER = [
+    "model", "L", "H", "B", "etrax µs/call", "braintrace µs/call", "etrax / braintrace",
+    "etrax program µs/call",
+]  # fmt: skip
+
+
 FIXED_WR_HEADER = [
     "model", "L", "H", "B", "etrax pp-prop µs/step", "etrax, Wr fixed µs/step",
     "braintrace pp-prop µs/step", "etrax / braintrace", "etrax Wr fixed / braintrace",
@@ -770,6 +847,7 @@ FIXED_WR_HEADER = [
 def report(
     results: dict[Config, dict[tuple[Lib, str], Measured]],
     fixed_wr: dict[Config, float],
+    calls: dict[Config, dict[Lib, float]],
     T: int,
     rounds: int,
     first_repeats: int,
@@ -823,7 +901,7 @@ machines are noisy: compare ratios within this table, not absolute times across 
 ## Compiled scratch memory and time to first gradient
 
 {table(MEMORY_HEADER, memory)}
-{_fixed_wr_section(results, fixed_wr)}"""
+{_fixed_wr_section(results, fixed_wr)}{_user_call_section(results, calls, T)}"""
 
 
 def plot(results: dict[Config, dict[tuple[Lib, str], Measured]], path: Path) -> None:
@@ -941,6 +1019,7 @@ def run(argv: Sequence[str] = ()) -> str:
     md, png = args.out / f"peer_{tag}.md", args.out / f"peer_{tag}.png"
     results: dict[Config, dict[tuple[Lib, str], Measured]] = {}
     fixed_wr: dict[Config, float] = {}
+    calls: dict[Config, dict[Lib, float]] = {}
     start = time.perf_counter()
     text = ""
     with warnings.catch_warnings():
@@ -952,11 +1031,13 @@ def run(argv: Sequence[str] = ()) -> str:
                 print(f"  budget of {args.budget:.0f} s spent: {left} configuration(s) left out")
                 break
             print(f"  {cfg.label}", flush=True)
-            results[cfg], fixed = measure(cfg, i, steps, args.rounds, args.min_time, first_repeats)
+            results[cfg], fixed, calls[cfg] = measure(
+                cfg, i, steps, args.rounds, args.min_time, first_repeats
+            )
             if fixed is not None:
                 fixed_wr[cfg] = fixed
             _clear_caches()
-            text = report(results, fixed_wr, steps, args.rounds, first_repeats, matrix)
+            text = report(results, fixed_wr, calls, steps, args.rounds, first_repeats, matrix)
             md.write_text(text)  # after every configuration, so a cut-off run keeps its rows
             plot(results, png)
     print(f"wrote {md} and {png} ({time.perf_counter() - start:.0f} s)")
