@@ -644,7 +644,7 @@ def test_small_step_outputs_are_stacked_as_one_array(
 
 def test_packing_keeps_large_outputs_apart() -> None:
     """`_pack_plan` takes the smallest leaves first while they fit, leaves weakly typed
-    ones and a lone leaf alone, and groups by dtype."""
+    ones, PRNG keys and a lone leaf alone, and groups by dtype."""
     plan_of_leaves = etrax.algorithms._drivers._pack_plan
     limit = etrax.algorithms._drivers.PACK_MAX_BYTES
     big = jnp.zeros((limit // 4,), jnp.float32)  # fills the limit alone
@@ -659,6 +659,8 @@ def test_packing_keeps_large_outputs_apart() -> None:
     assert all(3 not in idx for idx in plan.values())
     assert len(plan) == 2
     assert plan_of_leaves([big, small[0]]) == {}  # the small one is alone: nothing to pack
+    keys = [jax.random.key(0), jax.random.key(1)]
+    assert plan_of_leaves([*keys, *small]) == {jnp.dtype(jnp.float32): [2, 3]}
 
 
 def _products_with(jaxpr: Any, shape: tuple[int, ...], length: int, inside: bool = False) -> int:

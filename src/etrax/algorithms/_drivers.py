@@ -624,10 +624,12 @@ output, which is what a small model's step spends its time on."""
 def _pack_plan(leaves: list[Any]) -> dict[Any, list[int]]:
     """Which of a step's output `leaves` go into one vector per dtype: the smallest
     first, while they fit in `PACK_MAX_BYTES`; only groups of two or more (weakly
-    typed leaves stay apart, so they keep their type)."""
+    typed leaves and PRNG keys stay apart, so they keep their type)."""
     groups: dict[Any, list[int]] = {}
     for i in sorted(range(len(leaves)), key=lambda i: leaves[i].size):
-        if aval_of(leaves[i]).weak_type:
+        if aval_of(leaves[i]).weak_type or jnp.issubdtype(
+            leaves[i].dtype, jax.dtypes.extended
+        ):  # a weak type would be lost; PRNG keys are not numbers to concatenate
             continue
         dt = jnp.dtype(leaves[i].dtype)
         taken = groups.setdefault(dt, [])
