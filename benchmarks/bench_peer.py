@@ -513,6 +513,30 @@ def _path_name(path: Sequence[Any]) -> str:
     return ".".join(parts)
 
 
+def online_call(
+    lib: Lib, method: str, cfg: Config, model: brainstate.nn.Module, data: Data
+) -> Callable[[Array], Any]:
+    """``xs ↦ gradients`` of an online `method` through `lib`'s user path, built from
+    `model` (etrax: `etrax.compile` and `learner.etrace_grad`, which also reads the
+    model's states, writes the new hidden values back and checks for a silent network;
+    braintrace: `braintrace.compile` and its jitted `etrace_grad`)."""
+    if lib == "etrax":
+        learner = etrax.compile(model, etrax_rule(method), data.x0, batch_size=cfg.batch_size)
+
+        def call(xs: Array) -> Any:
+            return learner.etrace_grad(xs, data.targets, mse)
+
+        return call
+    jitted = brainstate.transform.jit(
+        _braintrace_grad(_braintrace_learner(method, model, cfg, data.x0))
+    )
+
+    def bt_call(xs: Array) -> Any:
+        return jitted(xs, data.targets)
+
+    return bt_call
+
+
 def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
     """Each library's user path from a model with weights but no states yet, from
     cleared JAX caches: no build reuses a trace or an XLA program of an earlier one
@@ -533,20 +557,8 @@ def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
             def call(xs: Array) -> Any:
                 return bptt(step.values, xs, data.targets)
 
-    elif lib == "etrax":
-        learner = etrax.compile(model, etrax_rule(method), data.x0, batch_size=cfg.batch_size)
-
-        def call(xs: Array) -> Any:
-            return learner.etrace_grad(xs, data.targets, mse)
-
     else:
-        jitted = brainstate.transform.jit(
-            _braintrace_grad(_braintrace_learner(method, model, cfg, data.x0))
-        )
-
-        def call(xs: Array) -> Any:
-            return jitted(xs, data.targets)
-
+        call = online_call(lib, method, cfg, model, data)
     out = block(call(data.xs))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     with CompileCounter() as counter:
@@ -564,28 +576,10 @@ CALLED = "pp-prop"
 
 def user_call(lib: Lib, method: str, cfg: Config, data: Data) -> Program:
     """One `T`-step gradient call through `lib`'s user path on fresh weights, compiled
-    (etrax: `learner.etrace_grad`, which also reads the model's states, writes the new
-    hidden values back and checks for a silent network; braintrace: its jitted
-    `etrace_grad`): what a training loop pays per call, Python included."""
-    call: Callable[[], Any]
-    if lib == "etrax":
-        learner = etrax.compile(
-            make_model(lib, cfg), etrax_rule(method), data.x0, batch_size=cfg.batch_size
-        )
-
-        def call() -> Any:
-            return learner.etrace_grad(data.xs, data.targets, mse)
-
-    else:
-        jitted = brainstate.transform.jit(
-            _braintrace_grad(_braintrace_learner(method, make_model(lib, cfg), cfg, data.x0))
-        )
-
-        def call() -> Any:
-            return jitted(data.xs, data.targets)
-
-    block(call())
-    return Program(call, math.nan)
+    (`online_call`): what a training loop pays per call, Python included."""
+    call = online_call(lib, method, cfg, make_model(lib, cfg), data)
+    block(call(data.xs))
+    return Program(functools.partial(call, data.xs), math.nan)
 
 
 @dataclasses.dataclass(frozen=True)
