@@ -252,7 +252,10 @@ def _step_grads(
     hp = graph.hidden_perturb
     assert hp is not None
     flat = [*jax.tree.leaves(as_args(graph, x)), *flat_state(graph, state)]
-    deltas, eps = _zero_uses(graph, state), hp.init_eps_data()
+    # zero perturbations that vary like the step's inputs under `shard_map`: an
+    # invariant one's cotangent would come back summed over the devices
+    deltas = _zero_uses(graph, state, x)
+    eps = vary_tree(hp.init_eps_data(), state, x)
     live = _live(graph, defer)
     f = functools.partial(_perturbed_outputs, graph, flat, (deltas, eps), live)
     zeros = [zero_perturbation(state.hidden[p]) for p in hp.perturb_hidden_paths]
@@ -484,8 +487,11 @@ def _deferred_use_grads(
                 for e in hp.eps_slots[hp.instant_eqns.index(i)]
             ]
         steps = next(c for c in kept if c is not None).shape[0]
+        given = [c for c in kept if c is not None]
         cots = [
-            jnp.zeros((steps, *struct_of(v).shape), struct_of(v).dtype) if c is None else c
+            vary_tree(jnp.zeros((steps, *struct_of(v).shape), struct_of(v).dtype), given)
+            if c is None
+            else c
             for v, c in zip(eqn.outvars, kept, strict=True)
         ]
         inputs: list[Array | None] = []  # per operand: a fixed value, or None (stacked)
@@ -591,10 +597,11 @@ def rejoin(params: PathDict[ArrayTree], moving: Moving) -> ModelState:
     return ModelState(params, *moving)
 
 
-def _zero_uses(graph: ETraceGraph, state: ModelState) -> list[Array]:
-    """Zero gradients of the injected uses' weight values (varying like the state)."""
+def _zero_uses(graph: ETraceGraph, state: ModelState, *likes: Any) -> list[Array]:
+    """Zero gradients of the injected uses' weight values (varying like the state and
+    `likes` under `shard_map`)."""
     zeros = [jnp.zeros(u.shape, u.dtype) for u in plan_of(graph).instant_uses]
-    return list(vary_tree(zeros, state))
+    return list(vary_tree(zeros, state, *likes))
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -1339,7 +1346,10 @@ def _bptt_impl(
         final, losses = jax.lax.scan(body, moving_parts(state), (xs, targets))
         return jnp.sum(losses), (losses, final)
 
-    (_, (losses, final)), grads = jax.value_and_grad(total, has_aux=True)(state.params)
+    # under `shard_map`, each device's own gradient (as `online_grad`'s): replicated
+    # weights would otherwise get theirs summed over the devices by autodiff
+    params = vary_tree(state.params, state, xs)
+    (_, (losses, final)), grads = jax.value_and_grad(total, has_aux=True)(params)
     return grads, {"losses": losses, "state": final}
 
 
