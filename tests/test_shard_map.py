@@ -16,7 +16,7 @@ from .models import build
 TOL = 1e-10
 
 
-def P(*names: str) -> PartitionSpec:
+def P(*names: str | None) -> PartitionSpec:
     spec: PartitionSpec = PartitionSpec(*names)  # type: ignore[no-untyped-call]  # unannotated
     return spec
 
@@ -118,7 +118,7 @@ def _mse(y: Any, t: Any) -> Any:
     return jnp.sum((y - t) ** 2)
 
 
-ONLINE_RULES = {
+ONLINE_RULES: dict[str, etrax.OnlineAlgorithm[Any]] = {
     "drtrl": etrax.DRTRL(chunk_steps=4),
     "pp_prop": etrax.PPProp(0.9, chunk_steps=4),
     "e_prop": etrax.EProp(0.5, chunk_steps=4),
@@ -158,7 +158,7 @@ def test_online_grad_under_shard_map_is_each_devices_own(
         st = etrax.ModelState(params, hidden, other)
         online, _ = etrax.online_grad(local, algo, st, algo.init(local, st), xs, targets, _mse)
         exact, _ = etrax.bptt_grad(local, st, xs, targets, _mse)
-        return jax.lax.psum((online, exact), "data")
+        return jax.lax.psum((online, exact), "data")  # type: ignore[no-untyped-call]
 
     spec = (P(), P("data"), P("data"), P(None, "data"), P(None, "data"))
     f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=spec, out_specs=P()))

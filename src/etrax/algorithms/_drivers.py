@@ -609,14 +609,17 @@ def _add(a: Any, b: Any) -> Any:
 
 
 def _with_aux(loss_fn: LossFn | AuxLossFn[Any], has_aux: bool) -> AuxLossFn[Any]:
-    """`loss_fn` as a loss that returns ``(loss, aux)`` (``aux`` `None` without one)."""
-    if has_aux:
-        return loss_fn  # type: ignore[return-value]  # has_aux says which it is
-    return functools.partial(_without_aux, loss_fn)  # type: ignore[arg-type]  # see above
+    """`loss_fn` as a loss that returns ``(loss, aux)`` (``aux`` `None` without one),
+    as arrays (a Python or NumPy number becomes a 0-d array)."""
+    return functools.partial(_as_arrays, loss_fn, has_aux)
 
 
-def _without_aux(loss_fn: LossFn, y: PyTree, target: PyTree) -> tuple[Array, PyTree]:
-    return loss_fn(y, target), None
+def _as_arrays(
+    loss_fn: LossFn | AuxLossFn[Any], has_aux: bool, y: PyTree, target: PyTree
+) -> tuple[Array, PyTree]:
+    out = loss_fn(y, target)
+    loss, aux = out if has_aux else (out, None)
+    return jnp.asarray(loss), jax.tree.map(jnp.asarray, aux)
 
 
 # --- online, per step or chunked ------------------------------------------------------------
@@ -1070,6 +1073,40 @@ def _avals(tree: Any) -> Any:
     return treedef, tuple(shape_dtype(a) for a in leaves)
 
 
+class _ByIdentity:
+    """A loss function that cannot be hashed (an `equinox.Module` holding arrays, a
+    plain dataclass), keyed by identity in the compiled-program caches: its values
+    are those of the object when a call first compiles with it."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __hash__(self) -> int:
+        return id(self.fn)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByIdentity) and other.fn is self.fn
+
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+
+LossT = TypeVar("LossT")
+
+
+def keyed(loss_fn: LossT) -> LossT:
+    """`loss_fn` itself when it can be hashed (a static argument of the compiled
+    drivers), else a wrapper keyed by its identity (`_ByIdentity`)."""
+    try:
+        hash(loss_fn)
+    except TypeError:
+        return cast(LossT, _ByIdentity(cast(Callable[..., Any], loss_fn)))
+    return loss_fn
+
+
 def _checked(graph: ETraceGraph) -> set[Any]:
     return graph.memo.get("checked", set)
 
@@ -1146,6 +1183,7 @@ def online_grad(
     unchanged.
     """
     require_graph(graph, "online_grad")
+    loss_fn = keyed(loss_fn)
     xs = _cast_sequence(graph, xs)
     if not isinstance(algo, OnlineAlgorithm):
         raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
@@ -1369,6 +1407,7 @@ def bptt_grad(
     **Raises:** as `online_grad`.
     """
     require_graph(graph, "bptt_grad")
+    loss_fn = keyed(loss_fn)
     xs = _cast_sequence(graph, xs)
     fast_check_state(graph, state)
     _check_sequences(graph, xs, targets, loss_fn)

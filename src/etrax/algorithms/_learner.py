@@ -38,6 +38,7 @@ from ._drivers import (
     AuxT,
     LossFn,
     bptt_grad,
+    keyed,
     moving_parts,
     online_evolve,
     online_grad,
@@ -164,14 +165,11 @@ class OnlineLearner:
     def _program(self, key: Hashable, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` under `jax.jit`, built once per `key`, so that every call of a method
         runs one XLA program (compiled on the first call, then reused) instead of
-        several small eager ones. An unhashable key (an unhashable loss function)
-        gets a fresh program each call. At most `MAX_PROGRAMS` are kept (the least
-        recently used goes first), so a new loss function per call cannot grow the
-        learner without bound."""
-        try:
-            program = self._programs.pop(key, None)
-        except TypeError:
-            return jax.jit(fn)
+        several small eager ones (a loss function that cannot be hashed is keyed by
+        its identity, `keyed`). At most `MAX_PROGRAMS` are kept (the least recently
+        used goes first), so a new loss function per call cannot grow the learner
+        without bound."""
+        program = self._programs.pop(key, None)
         if program is None:
             program = jax.jit(fn)
             while len(self._programs) >= MAX_PROGRAMS:
@@ -440,6 +438,7 @@ class OnlineLearner:
         fn = loss_fn if loss_fn is not None else step_fn
         if fn is None:
             raise TypeError("etrace_grad needs loss_fn(y_t, target_t) -> scalar")
+        fn = keyed(fn)  # an unhashable loss is keyed by identity
         for name, flag in (("has_aux", has_aux), ("return_value", return_value)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -675,6 +674,7 @@ class OnlineLearner:
     ) -> Grads | tuple[Grads, Array]:
         """The exact BPTT gradient from the current state (hidden states are advanced;
         with `vmap`, per sample and summed over the batch)."""
+        loss_fn = keyed(loss_fn)  # an unhashable loss is keyed by identity
 
         def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
             result = bptt_grad(self.graph, st, seq[0], seq[1], loss_fn)
