@@ -13,6 +13,13 @@ from jaxtyping import ArrayLike
 _SeedOrKey: TypeAlias = int | jax.Array | np.ndarray[Any, Any]
 _Size: TypeAlias = int | Sequence[int]
 
+from brainstate import State
+
+class RandomState(State[jax.Array]):
+    """A state holding a PRNG key (brainstate's global one is `DEFAULT`)."""
+
+DEFAULT: RandomState
+
 def seed(seed_or_key: _SeedOrKey | None = None) -> None: ...
 def split_key(n: int | None = None, backup: bool = False) -> jax.Array: ...
 def rand(*dn: int, key: _SeedOrKey | None = None, dtype: DTypeLike | None = None) -> jax.Array: ...

@@ -275,14 +275,26 @@ def _name_states(
             p: Path = (f"_unknown_path_{n_unknown}",)
             n_unknown += 1
             paths.append(p)
-            records.append(
-                record(
-                    DiagnosticKind.STATE_MISMATCH,
+            if isinstance(st, brainstate.random.RandomState):  # brainstate.random's own
+                level, message = (
+                    DiagnosticLevel.INFO,
+                    f"The step draws from a brainstate random state that is not one of "
+                    f"the model's (brainstate.random's global one, say); it is carried "
+                    f"between steps as an untraced state named {p}.",
+                )
+            else:
+                level, message = (
                     DiagnosticLevel.WARNING,
                     f"A {type(st).__name__} used by the step is not reachable from "
                     f"model.states(); it is named {p}. Store states as attributes of "
                     "submodules so that brainstate can find them.",
-                    weight_path=p,
+                )
+            records.append(
+                record(
+                    DiagnosticKind.STATE_MISMATCH,
+                    level,
+                    message,
+                    weight_path=p if isinstance(st, brainstate.ParamState) else None,
                     direction="compiled_not_in_retrieved",
                 )
             )
@@ -331,6 +343,15 @@ def _check_param_writes(
         )
 
 
+def _dtype_of(leaf: Any) -> Any:
+    """A state leaf's dtype: a NumPy dtype, or JAX's own for an extended one (a typed
+    PRNG key's ``key<fry>``, which NumPy cannot represent)."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return np.dtype(jnp.result_type(leaf))
+
+
 def _state_info(
     st: brainstate.State[Any],
     p: Path,
@@ -344,7 +365,7 @@ def _state_info(
     leaves, treedef = jax.tree.flatten(st.value)
     n = len(leaves)
     shapes = tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
-    dtypes = tuple(np.dtype(jnp.result_type(leaf)) for leaf in leaves)
+    dtypes = tuple(_dtype_of(leaf) for leaf in leaves)
     kind = _classify(st)
     varshape: Shape = ()
     num_state = 1

@@ -48,7 +48,8 @@ class StateInfo(eqx.Module):
     - `kind`: its `StateKind`.
     - `type_name`: the brainstate class name.
     - `treedef`: structure of its value (a ParamState may hold a dict of arrays).
-    - `shapes`, `dtypes`: shape and dtype of each leaf.
+    - `shapes`, `dtypes`: shape and dtype of each leaf (a NumPy dtype, or JAX's
+      extended dtype for a typed PRNG key).
     - `invars`: `VarId` of each leaf where it enters the step.
     - `outvars`: `VarId` of each leaf's new value (`None` for a literal).
     - `written`: whether the step writes the state.
@@ -61,7 +62,7 @@ class StateInfo(eqx.Module):
     type_name: str = eqx.field(static=True)
     treedef: Any = eqx.field(static=True)
     shapes: tuple[Shape, ...] = eqx.field(static=True)
-    dtypes: tuple[np.dtype[Any], ...] = eqx.field(static=True)
+    dtypes: tuple[Any, ...] = eqx.field(static=True)  # JAX has no public extended-dtype type
     invars: tuple[VarId, ...] = eqx.field(static=True)
     outvars: tuple[VarId | None, ...] = eqx.field(static=True)
     written: bool = eqx.field(static=True)

@@ -72,7 +72,7 @@ def _as_dtype(leaf: Any, dtype: Any) -> Any:
         isinstance(leaf, jax.Array)
         and not isinstance(leaf, jax.core.Tracer)
         and leaf.dtype == dtype
-        and not leaf.weak_type
+        and not getattr(leaf, "weak_type", False)  # a typed PRNG key has none
     ):
         return leaf
     return jnp.asarray(leaf, dtype=dtype)

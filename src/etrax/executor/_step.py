@@ -18,6 +18,7 @@ from .._errors import StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree, VarId
 from ..compiler import ETraceGraph, StateKind
+from ..compiler._module_info import StateInfo
 from ..compiler._perturbation import zero_perturbation
 from ._state import (
     ModelState,
@@ -213,8 +214,27 @@ def next_state(
     return ModelState(
         params=state.params,
         hidden=PathDict((s.path, hidden[s.path]) for s in mi.states_of(StateKind.HIDDEN)),
-        other=PathDict((s.path, other[s.path]) for s in mi.states_of(StateKind.OTHER)),
+        other=PathDict(
+            (s.path, _keys_as_compiled(s, other[s.path])) for s in mi.states_of(StateKind.OTHER)
+        ),
     )
+
+
+def _keys_as_compiled(info: StateInfo, value: Any) -> Any:
+    """`value` with each leaf that the state holds as a typed PRNG key wrapped back into
+    one: brainstate's global random state comes out of a traced step as the key's
+    raw ``uint32`` data."""
+    if not any(jnp.issubdtype(d, jax.dtypes.extended) for d in info.dtypes):
+        return value
+    leaves = jax.tree.leaves(value)
+    fixed = [
+        jax.random.wrap_key_data(leaf, impl=d._impl)  # the key type's own implementation
+        if jnp.issubdtype(d, jax.dtypes.extended)
+        and not jnp.issubdtype(leaf.dtype, jax.dtypes.extended)
+        else leaf
+        for leaf, d in zip(leaves, info.dtypes, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(value), fixed)
 
 
 def forward_pure(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> Any:
