@@ -473,3 +473,31 @@ def test_vmap_equals_the_batched_learner(rule: etrax.OnlineAlgorithm[Any]) -> No
     mapped.reset(batch_size=3)
     assert all(h.shape[0] == 3 for h in mapped.state.hidden.values())
     assert mapped.etrace_grad(xs[:, [0, 1, 1]], ys[:, [0, 1, 1]], mse).keys() == want.keys()
+
+
+@pytest.mark.parametrize("cell", [etrax.nn.GRUCell, brainstate.nn.GRUCell], ids=["etrax", "bst"])
+def test_reinitialised_states_are_refused_and_reset_keeps_them(cell: Any) -> None:
+    """``brainstate.nn.init_all_states`` after `etrax.compile` creates new states the
+    learner would never see: every call then raises a `StepInputError` that says to
+    use `reset` (which resets the states in place, so calls keep working)."""
+    model = cell(3, 4)
+    learner = etrax.compile(model, etrax.DRTRL(), jnp.zeros((2, 3)), batch_size=2)
+    xs, ys = jnp.ones((3, 2, 3)), jnp.zeros((3, 2, 4))
+
+    def mse(y: Array, t: Array) -> Array:
+        return jnp.sum((y - t) ** 2)
+
+    learner.etrace_grad(xs, ys, mse)
+    learner.reset()
+    learner.etrace_grad(xs, ys, mse)
+    assert float(jnp.abs(model.h.value).max()) > 0  # the model's own state was written
+    brainstate.nn.init_all_states(model, batch_size=2)
+    for call in (
+        lambda: learner.etrace_grad(xs, ys, mse),
+        lambda: learner.etrace_evolve(xs),
+        lambda: learner(xs[0]),
+        lambda: learner.bptt_grad(xs, ys, mse),
+        learner.reset,
+    ):
+        with pytest.raises(etrax.StepInputError, match=r"learner\.reset"):
+            call()

@@ -127,6 +127,11 @@ class OnlineLearner:
             info.path for info in mi.states if info.kind is StateKind.OTHER and info.written
         )
         self._weighted_losses: dict[tuple[LossFn | AuxLossFn[Any], bool], AuxLossFn[Any]] = {}
+        self._bound = tuple(  # the states the graph reads, where the model holds them
+            (path, ref)
+            for path, ref in zip(mi.paths, mi.state_refs.states, strict=True)
+            if not (isinstance(path[0], str) and path[0].startswith("_unknown_path_"))
+        )
         self._programs: dict[Hashable, Callable[..., Any]] = {}
         start = state_of(graph)
         self._initial_hidden = dict(start.hidden)
@@ -254,6 +259,25 @@ class OnlineLearner:
         for path in expected:
             refs[path].value = values[path]
 
+    def _check_bound(self) -> None:
+        """Raise a `StepInputError` if the model no longer holds the states the learner
+        was compiled with: ``brainstate.nn.init_all_states`` after `etrax.compile`
+        creates new `State` objects, which the learner would neither read nor write."""
+        for path, ref in self._bound:
+            try:
+                held = _at(self.model, path)
+            except (AttributeError, KeyError, IndexError, TypeError):
+                held = None
+            if held is not ref:
+                raise StepInputError(
+                    f"the model's state {path} is not the one this learner was compiled "
+                    "with: it was replaced after etrax.compile (brainstate.nn.init_all_states "
+                    "creates new states), so the learner would neither read nor write it. "
+                    "To start a new sequence, call learner.reset() instead (it resets the "
+                    "states in place); after re-initialising the model, build a new learner "
+                    "with etrax.compile(model, ...)."
+                )
+
     def reset(self, batch_size: int | None = None) -> None:
         """Reset the model's hidden states and the traces (between sequences).
 
@@ -265,6 +289,7 @@ class OnlineLearner:
         another one makes the next `etrace_grad` raise a `StepInputError` (compile a
         new learner instead). With `vmap`, any batch size works.
         """
+        self._check_bound()
         size = self.batch_size if batch_size is None else batch_size
         if self.vmap and not (isinstance(size, int) and size >= 1):
             raise ValueError(f"a vmap learner needs a batch size of at least 1, got {size!r}")
@@ -439,6 +464,7 @@ class OnlineLearner:
         if fn is None:
             raise TypeError("etrace_grad needs loss_fn(y_t, target_t) -> scalar")
         fn = keyed(fn)  # an unhashable loss is keyed by identity
+        self._check_bound()
         for name, flag in (("has_aux", has_aux), ("return_value", return_value)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -619,6 +645,7 @@ class OnlineLearner:
         """Advance the model's hidden states and the traces over `xs` with no gradient
         (see `etrax.online_evolve`); returns the stacked outputs if asked (with `vmap`,
         ``(T, B, ...)``)."""
+        self._check_bound()
 
         def run(st: ModelState, tr: PyTree, x: PyTree) -> tuple[ModelState, PyTree, PyTree]:
             return online_evolve(
@@ -640,6 +667,7 @@ class OnlineLearner:
     def __call__(self, *x: Any) -> PyTree:
         """One step on input `x` (the model's ``update`` arguments): advances the hidden
         states and the traces, and returns the step's output."""
+        self._check_bound()
         one = x[0] if len(x) == 1 else x
 
         def run(st: ModelState, tr: PyTree, x: PyTree) -> tuple[ModelState, PyTree, PyTree]:
@@ -675,6 +703,7 @@ class OnlineLearner:
         """The exact BPTT gradient from the current state (hidden states are advanced;
         with `vmap`, per sample and summed over the batch)."""
         loss_fn = keyed(loss_fn)  # an unhashable loss is keyed by identity
+        self._check_bound()
 
         def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
             result = bptt_grad(self.graph, st, seq[0], seq[1], loss_fn)
@@ -692,6 +721,7 @@ class OnlineLearner:
     def save(self, path: str | pathlib.Path | BinaryIO, opt_state: PyTree = None) -> None:
         """Save the model's parameters and states, the traces and `opt_state` (see
         `etrax.save_checkpoint`)."""
+        self._check_bound()
         save_checkpoint(path, Checkpoint(state_of(self.graph), self.traces, opt_state))
 
     @overload
@@ -705,6 +735,7 @@ class OnlineLearner:
         return the saved optimiser state (read into the structure of `opt_state_like`,
         e.g. ``opt.init(learner.params)``). The learner must be built from the same
         model class, rule and batch size."""
+        self._check_bound()
         like = Checkpoint(state_of(self.graph), self.traces, opt_state_like)
         loaded = load_checkpoint(path, like)
         self.params = loaded.state.params
@@ -719,6 +750,15 @@ class OnlineLearner:
     def weight_rules(self) -> dict[Path, WeightStatus]:
         """How each parameter learns (traced or instantaneous), and why."""
         return self.graph.weight_rules()
+
+
+def _at(model: brainstate.nn.Module, path: Path) -> object:
+    """What `model` holds at a state path: attributes by name, list and dict items by
+    index or key."""
+    obj: Any = model
+    for key in path:
+        obj = getattr(obj, key) if isinstance(key, str) and hasattr(obj, key) else obj[key]
+    return obj
 
 
 def _leafwise(tree: PyTree, f: Callable[[ModuleType, Any], Any]) -> PyTree:
