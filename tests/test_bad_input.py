@@ -421,3 +421,22 @@ def test_learner_params_with_a_wrong_key() -> None:
     learner = etrax.compile(etrax.nn.GRUCell(3, 4), etrax.DRTRL(), jnp.zeros((2, 3)), batch_size=2)
     with pytest.raises(KeyError, match=r"needs exactly the parameter paths.*unknown \[\('W',\)\]"):
         learner.params = {("W",): jnp.zeros(3)}
+
+
+@pytest.mark.parametrize("key", [0, "k", jnp.zeros(3)], ids=["int", "str", "float_array"])
+def test_random_feedback_refuses_a_key_that_is_not_one(key: Any) -> None:
+    """`EProp(feedback="random", key=...)` checks its key when built, not deep in
+    the driver."""
+    # beartype/jaxtyping checks the signature in the tests; without it, the rule does
+    with pytest.raises(TypeError, match=r"PRNG key|parameter 'key'"):
+        etrax.EProp(feedback="random", key=key)
+    etrax.EProp(feedback="random", key=jax.random.key(0))
+    etrax.EProp(feedback="random", key=jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("make", [etrax.DRTRL, etrax.EProp, etrax.PPProp])
+def test_numpy_integer_chunk_steps(make: Any) -> None:
+    """Every rule takes `chunk_steps` as a Python or NumPy integer (the same rule)."""
+    assert make(chunk_steps=np.int64(4)) == make(chunk_steps=4)
+    with pytest.raises(TypeError, match="chunk_steps"):
+        make(chunk_steps=4.0)

@@ -97,3 +97,18 @@ def test_pure_checkpoint_round_trip_and_mismatch(tmp_path: pathlib.Path) -> None
     like = etrax.Checkpoint(etrax.state_of(other.graph), other.traces, None)
     with pytest.raises(etrax.StepInputError, match="does not fit the template"):
         etrax.load_checkpoint(tmp_path / "c.eqx", like)
+
+
+def test_a_checkpoint_of_another_dtype_is_refused(tmp_path: pathlib.Path) -> None:
+    """A float64 checkpoint does not load into a float32 template (no silent cast);
+    the error names the leaf and both dtypes."""
+    lrn = learner()  # float32
+    ckpt = etrax.Checkpoint(etrax.state_of(lrn.graph), lrn.traces, None)
+    wide = jax.tree.map(  # NumPy: this module runs JAX in float32
+        lambda a: np.asarray(a, np.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, ckpt
+    )
+    etrax.save_checkpoint(tmp_path / "c.eqx", wide)
+    with pytest.raises(etrax.StepInputError, match="dtype float64 where the template"):
+        etrax.load_checkpoint(tmp_path / "c.eqx", ckpt)
+    etrax.save_checkpoint(tmp_path / "c.eqx", ckpt)
+    etrax.load_checkpoint(tmp_path / "c.eqx", ckpt)  # the same dtypes load

@@ -11,9 +11,12 @@ model's brainstate states.
 """
 
 import pathlib
-from typing import BinaryIO, Generic, TypeVar
+from typing import Any, BinaryIO, Generic, TypeVar
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ._errors import StepInputError
 from .executor import ModelState
@@ -70,10 +73,30 @@ def load_checkpoint(
     if not isinstance(like, Checkpoint):
         raise TypeError(f"load_checkpoint needs a Checkpoint template, got {type(like).__name__}")
     try:
-        loaded: Checkpoint[TraceT, OptT] = eqx.tree_deserialise_leaves(path_or_file, like)
+        loaded: Checkpoint[TraceT, OptT] = eqx.tree_deserialise_leaves(
+            path_or_file, like, filter_spec=_exactly_like
+        )
     except (RuntimeError, ValueError) as err:
+        root: BaseException = err  # equinox wraps the leaf's own error: name both
+        while (root.__cause__ or root.__context__) is not None:
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        detail = f"{err}" if root is err else f"{err}: {root}"
         raise StepInputError(
-            f"the checkpoint does not fit the template: {err}. Build the template from the "
+            f"the checkpoint does not fit the template: {detail}. Build the template from the "
             "same model (and batch size), rule and optimiser as the saved run."
         ) from err
     return loaded
+
+
+def _exactly_like(f: Any, x: Any) -> Any:
+    """Read one leaf, refusing a saved array whose shape or dtype is not the
+    template's (JAX would otherwise cast a float64 array to float32 silently)."""
+    if isinstance(x, jax.Array) and not jnp.issubdtype(x.dtype, jax.dtypes.extended):
+        value = np.load(f)
+        if value.shape != x.shape or value.dtype != np.dtype(x.dtype):
+            raise ValueError(
+                f"a saved array of shape {value.shape} and dtype {value.dtype} where the "
+                f"template has shape {x.shape} and dtype {x.dtype}"
+            )
+        return jnp.asarray(value)
+    return eqx.default_deserialise_filter_spec(f, x)

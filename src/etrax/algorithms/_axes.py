@@ -343,6 +343,14 @@ class RandomFeedback(Signal):
     def __check_init__(self) -> None:
         if not self.scale > 0:
             raise ValueError(f"RandomFeedback: scale must be a positive float, got {self.scale!r}")
+        key: object = self.key  # annotated, but only checked at run time in the tests
+        typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.extended)
+        raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape[-1:] == (2,)
+        if not (typed or raw):
+            raise TypeError(
+                "RandomFeedback: key must be a PRNG key such as jax.random.key(0), got "
+                f"{type(key).__name__} {key!r}"
+            )
 
     @property
     def needs_modulator(self) -> bool:

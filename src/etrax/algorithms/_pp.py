@@ -67,7 +67,7 @@ def steps_from(steps: SupportsIndex) -> int:
     """`chunk_steps` as a Python int (NumPy integers accepted)."""
     if isinstance(steps, bool | np.bool_) or not isinstance(_scalar(steps), numbers.Integral):
         raise TypeError(
-            "PPProp: chunk_steps must be a positive int (Python or NumPy integer) or None, got "
+            "chunk_steps must be a positive int (Python or NumPy integer) or None, got "
             f"{type(steps).__name__} {steps!r}"
         )
     return operator.index(steps)

@@ -44,7 +44,7 @@ __all__ = [
 
 
 def DRTRL(
-    chunk_steps: int | None = None, *, trace_dtype: Any = None
+    chunk_steps: SupportsIndex | None = None, *, trace_dtype: Any = None
 ) -> LearningRule[ParamTraces]:  # a preset reads as the rule's name
     """Diagonal RTRL: a per-parameter trace ``ε ← D ε + x ⊗ df`` per (weight, group),
     contracted with ``∂L/∂h`` every step.
@@ -67,7 +67,10 @@ def DRTRL(
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     return LearningRule(
-        PerParameter(), chunk_steps=chunk_steps, trace_dtype=trace_dtype, name="DRTRL"
+        PerParameter(),
+        chunk_steps=None if chunk_steps is None else steps_from(chunk_steps),
+        trace_dtype=trace_dtype,
+        name="DRTRL",
     )
 
 
@@ -116,7 +119,7 @@ def EProp(
     kappa: float = 0.0,
     feedback: Literal["symmetric", "random"] = "symmetric",
     key: PRNGKeyArray | None = None,
-    chunk_steps: int | None = None,
+    chunk_steps: SupportsIndex | None = None,
     *,
     trace_dtype: Any = None,
 ) -> LearningRule[ParamTraces]:
@@ -146,7 +149,7 @@ def EProp(
         PerParameter(),
         signal=signal,
         filter=Kappa(kappa) if kappa > 0 else NoFilter(),
-        chunk_steps=chunk_steps,
+        chunk_steps=None if chunk_steps is None else steps_from(chunk_steps),
         trace_dtype=trace_dtype,
         name="EProp",
     )
