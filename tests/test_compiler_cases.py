@@ -2,6 +2,8 @@
 the reference system that etrax fixes (no dependence on jaxpr shape, several
 hidden states per equation, relations into stacked states, plain weight uses)."""
 
+from typing import Any
+
 import brainstate
 import jax
 import jax.numpy as jnp
@@ -302,3 +304,89 @@ def test_unbatched_elementwise_weight_broadcasts_over_batch() -> None:
     assert tau.weight_path == ("tau",)
     assert tau.x_var is None
     assert tau.tails[0].broadcast_ndim == 1
+
+
+class ConstantRecurrence(brainstate.nn.Module):
+    """``h ← 0.7 tanh(h M) + tanh(x W)`` with a fixed (not learned) matrix `M`."""
+
+    def __init__(self, matrix: Any, as_state: bool) -> None:
+        super().__init__()
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(jax.random.PRNGKey(1), (3, 4)))
+        self.M = brainstate.State(matrix) if as_state else matrix
+        self.as_state = as_state
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: Any) -> Any:
+        m: Any = self.M.value if self.as_state else self.M
+        h = 0.7 * jnp.tanh(self.h.value @ m) + jnp.tanh(x @ self.W.value)
+        self.h.value = h
+        return h
+
+
+@pytest.mark.parametrize("as_state", [False, True], ids=["constant", "state"])
+def test_a_recurrent_product_with_a_constant_matrix_is_reported(as_state: bool) -> None:
+    """A hidden-to-hidden product with a matrix no ParamState feeds is a boundary
+    (left out of D) and says so with a warning naming the hidden state; the same
+    product with a ParamState matrix is a plain use of that weight instead."""
+    model = ConstantRecurrence(jnp.diag(jnp.array([0.5, 0.6, 0.7, 0.8])), as_state)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    (rec,) = graph.explain(kind=etrax.DiagnosticKind.RECURRENT_CONSTANT_PRODUCT)
+    assert rec.level is etrax.DiagnosticLevel.WARNING and rec.hidden_paths == (("h",),)
+    assert "approximate for T > 1" in rec.message
+
+
+def test_a_recurrent_product_with_a_weight_is_not_reported_as_constant() -> None:
+    model = etrax.nn.ValinaRNNCell(3, 4)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert not graph.explain(kind=etrax.DiagnosticKind.RECURRENT_CONSTANT_PRODUCT)
+    plain = brainstate.nn.ValinaRNNCell(3, 4)
+    brainstate.nn.init_all_states(plain)
+    graph = etrax.compile_etrace_graph(plain, jnp.zeros(3))
+    assert not graph.explain(kind=etrax.DiagnosticKind.RECURRENT_CONSTANT_PRODUCT)
+
+
+class LongLoop(brainstate.nn.Module):
+    """Every weight is read inside a 20-step ``fori_loop`` (sub-steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = brainstate.ParamState(0.3 * jax.random.normal(jax.random.PRNGKey(1), (4, 4)))
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: Any) -> Any:
+        def sub(_: Any, h: Any) -> Any:
+            return 0.9 * h + 0.1 * jnp.tanh(h @ self.W.value + x)
+
+        h = jax.lax.fori_loop(0, 20, sub, self.h.value)
+        self.h.value = h
+        return h
+
+
+def _sum(y: Array, t: Array) -> Array:
+    return jnp.sum(y - t)
+
+
+def test_no_relations_because_of_a_whole_loop_says_to_unroll_it() -> None:
+    """A loop longer than the unroll limit keeps its weights untraced; an online rule
+    that then has nothing to trace says how to unroll it, and with the limit raised
+    the weight is traced."""
+    model = LongLoop()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(4))
+    assert graph.explain(kind=K.LOOP_KEPT_WHOLE)
+    state = etrax.state_of(graph)
+    rule = etrax.DRTRL()
+    with pytest.raises(etrax.CompilationError, match="unroll_limit"):
+        etrax.online_grad(
+            graph, rule, state, rule.init(graph, state), jnp.ones((2, 4)), jnp.ones((2, 4)), _sum
+        )
+    unrolled = etrax.compile_etrace_graph(
+        model, jnp.zeros(4), policy=etrax.CompilePolicy(unroll_limit=32)
+    )
+    assert unrolled.hidden_param_op_relations

@@ -55,3 +55,29 @@ def test_vmap_step_equals_batched_model(cls: Any, args: tuple[int, int]) -> None
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
     for a, b in zip(l_v, pb_b(jnp.ones_like(y_b)), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
+
+
+def test_a_vmap_learner_names_a_batch_that_does_not_fit() -> None:
+    """A vmap learner's sequences must carry its batch on their second axis: another
+    batch, targets of another batch and batch-major sequences are `StepInputError`s
+    that say what to pass (not `jax.vmap`'s own error)."""
+    learner = etrax.compile(
+        etrax.nn.GRUCell(3, 4), etrax.DRTRL(), jnp.zeros((3, 3)), batch_size=3, vmap=True
+    )
+
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.sum((y - t) ** 2)
+
+    cases = [
+        (jnp.ones((5, 4, 3)), jnp.ones((5, 4, 4)), "xs: .*reset"),
+        (jnp.ones((5, 3, 3)), jnp.ones((5, 2, 4)), "targets"),
+        (jnp.ones((3, 5, 3)), jnp.ones((3, 5, 4)), "batch-major"),
+    ]
+    for xs, ts, match in cases:
+        with pytest.raises(etrax.StepInputError, match=match):
+            learner.etrace_grad(xs, ts, mse)
+    with pytest.raises(etrax.StepInputError, match="batch-major"):
+        learner.etrace_evolve(jnp.ones((3, 5, 3)))
+    with pytest.raises(etrax.StepInputError, match=r"\(B, \.\.\.\)"):
+        learner(jnp.ones((2, 3)))
+    learner.etrace_grad(jnp.ones((5, 3, 3)), jnp.ones((5, 3, 4)), mse)  # the right batch

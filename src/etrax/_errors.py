@@ -75,8 +75,11 @@ class WeightNotFloatError(NotSupportedError):
 
     Weights are what etrax differentiates, and integer or boolean arrays have no
     gradient, so such a ParamState is refused rather than silently left untrained.
-    Keep integer tables (indices, masks, counters) in a plain ``brainstate.State`` or
-    ``ShortTermState``, or as a constant attribute of the module.
+    Keep a fixed table that multiplies or indexes a weight (a connectivity mask) as a
+    constant attribute of the module, so the weight's product stays traced; a table
+    the step changes (a counter) goes in a plain ``brainstate.State`` or
+    ``ShortTermState`` (a weight computed from such a State is a plain use, learned
+    from its instantaneous gradient).
     """
 
 

@@ -12,7 +12,7 @@ from jaxtyping import Array
 from .._errors import CompilationError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
-from ..compiler import ETraceGraph
+from ..compiler import DiagnosticKind, ETraceGraph
 from ..executor import ModelState, StepJacobians
 from ._plan import plan_of
 from ._weights import operand_values, operands_to_params
@@ -64,12 +64,27 @@ def default_chunk_steps(graph: ETraceGraph) -> int:
     return 1
 
 
+def loop_hint(graph: ETraceGraph) -> str:
+    """Advice for a graph with no relations whose step kept loops whole (their weights
+    are not traced); empty otherwise."""
+    loops = graph.explain(kind=DiagnosticKind.LOOP_KEPT_WHOLE)
+    if not loops:
+        return ""
+    return (
+        f" {len(loops)} loop(s) in the step stayed whole, so the weights read inside them "
+        "are not traced: raise the unroll limit, e.g. etrax.compile_etrace_graph(model, x, "
+        "policy=etrax.CompilePolicy(unroll_limit=...)), or see graph.report()."
+    )
+
+
 def check_relations(graph: ETraceGraph, name: str) -> None:
     if not graph.hidden_param_op_relations:
+        hint = loop_hint(graph)
         raise CompilationError(
             f"{name} needs at least one weight traced into a hidden state, but this graph has "
             "no relations (see graph.report()). Use etrax.bptt_grad, or build the model from "
             "ETP ops (etrax.nn.Linear, etrax.matmul, ...) feeding brainstate.HiddenState values."
+            + hint
         )
 
 

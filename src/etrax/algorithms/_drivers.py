@@ -54,7 +54,15 @@ from ..executor import (
     step_jacobians,
     step_pure,
 )
-from ._base import EffGrads, OnlineAlgorithm, Weights, add_eff, add_into, zeros_eff
+from ._base import (
+    EffGrads,
+    OnlineAlgorithm,
+    Weights,
+    add_eff,
+    add_into,
+    loop_hint,
+    zeros_eff,
+)
 from ._dni import SyntheticGradient
 from ._kernels import instant_contribution
 from ._plan import plan_of
@@ -1190,7 +1198,7 @@ def online_grad(
     if not graph.hidden_param_op_relations:
         raise CompilationError(
             "online_grad needs a graph with at least one relation (a weight traced into a hidden "
-            "state); this graph has none. Use etrax.bptt_grad instead."
+            "state); this graph has none. Use etrax.bptt_grad instead." + loop_hint(graph)
         )
     if graph.hidden_perturb is None and window is None:
         raise ValueError(

@@ -278,6 +278,28 @@ class OnlineLearner:
                     "with etrax.compile(model, ...)."
                 )
 
+    def _check_batch(self, what: str, tree: PyTree, axis: int) -> None:
+        """With `vmap`: every leaf of `tree` has the learner's batch size on `axis` (1 for
+        time-major sequences, 0 for one step's input), else a `StepInputError` (not
+        `jax.vmap`'s own error, which names internal arguments)."""
+        if not self.vmap:
+            return
+        size = self.batch_size
+        for leaf in jax.tree.leaves(tree):
+            shape = tuple(jnp.shape(leaf))
+            if len(shape) > axis and shape[axis] == size:
+                continue
+            layout = "(T, B, ...)" if axis == 1 else "(B, ...)"
+            hint = (
+                " It looks batch-major: pass time-major sequences (jnp.swapaxes(xs, 0, 1))."
+                if axis == 1 and len(shape) > 1 and shape[0] == size
+                else " Use learner.reset(batch_size=...) for another batch size."
+            )
+            raise StepInputError(
+                f"{what}: this vmap learner runs batches of {size} and takes {layout}; got "
+                f"a leaf of shape {shape}.{hint}"
+            )
+
     def reset(self, batch_size: int | None = None) -> None:
         """Reset the model's hidden states and the traces (between sequences).
 
@@ -474,6 +496,8 @@ class OnlineLearner:
             )
         weighted_fn, weighted = self._weighted(fn, mask is None, reduction, has_aux)
         seq_axes = (1, (1, None) if weighted else 1, None if modulators is None else 1)
+        self._check_batch("xs", xs, 1)
+        self._check_batch("targets", ys, 1)
 
         def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
             x, t, mods = seq
@@ -646,6 +670,7 @@ class OnlineLearner:
         (see `etrax.online_evolve`); returns the stacked outputs if asked (with `vmap`,
         ``(T, B, ...)``)."""
         self._check_bound()
+        self._check_batch("xs", xs, 1)
 
         def run(st: ModelState, tr: PyTree, x: PyTree) -> tuple[ModelState, PyTree, PyTree]:
             return online_evolve(
@@ -669,6 +694,7 @@ class OnlineLearner:
         states and the traces, and returns the step's output."""
         self._check_bound()
         one = x[0] if len(x) == 1 else x
+        self._check_batch("x", one, 0)
 
         def run(st: ModelState, tr: PyTree, x: PyTree) -> tuple[ModelState, PyTree, PyTree]:
             xs = jax.tree.map(lambda a: jnp.asarray(a)[None], x)
@@ -704,6 +730,8 @@ class OnlineLearner:
         with `vmap`, per sample and summed over the batch)."""
         loss_fn = keyed(loss_fn)  # an unhashable loss is keyed by identity
         self._check_bound()
+        self._check_batch("xs", xs, 1)
+        self._check_batch("targets", ys, 1)
 
         def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
             result = bptt_grad(self.graph, st, seq[0], seq[1], loss_fn)

@@ -45,6 +45,7 @@ class DiagnosticKind(enum.StrEnum):
     HIDDEN_GROUP_MERGED = "hidden_group_merged"
     HIDDEN_GROUP_NO_RECURRENCE = "hidden_group_no_recurrence"
     TRANSITION_MIXES_POSITIONS = "transition_mixes_positions"
+    RECURRENT_CONSTANT_PRODUCT = "recurrent_constant_product"
     GROUP_VARSHAPE_CONFLICT = "group_varshape_conflict"
     HIDDEN_STATE_NOT_FLOAT = "hidden_state_not_float"
     # states and structure

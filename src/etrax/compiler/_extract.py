@@ -206,9 +206,12 @@ def _check_weight_dtypes(
             raise WeightNotFloatError(
                 f"The ParamState {where} used by {model_name}.update has dtype {dtype}; "
                 "weights are differentiated, and integer or boolean arrays have no gradient. "
-                "Store integer tables (indices, masks, counters) in a plain brainstate.State "
-                "or a brainstate.ShortTermState, or keep them as a constant attribute of the "
-                "module (a jnp/np array); make trainable weights floating point.",
+                "Keep a fixed table that multiplies or indexes a weight (a connectivity mask, "
+                "say) as a constant attribute of the module (a jnp/np array): the weight's "
+                "product then stays traced. A table the step changes (a counter) goes in a "
+                "plain brainstate.State or ShortTermState; a weight computed from such a "
+                "State (W * mask.value) learns from its instantaneous gradient only. Make "
+                "trainable weights floating point.",
                 [*records, rec],
             )
 

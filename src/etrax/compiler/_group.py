@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._compat import Var, vary_like
+from .._compat import Var, equation_location, vary_like
 from .._typing import Path, Shape, VarId
 from ._analysis import Analyses, StepAnalysis, analyse_step
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
@@ -273,7 +273,8 @@ def _build_group(
                 DiagnosticKind.HIDDEN_GROUP_NO_RECURRENCE,
                 DiagnosticLevel.INFO,
                 f"Group {index} {list(paths)} has no element-wise recurrence (D ≡ 0): its "
-                "dependence on the previous step goes only through weight operations.",
+                "dependence on the previous step goes only through boundaries (weight "
+                "operations, or plain products that mix positions).",
                 hidden_paths=paths,
                 group=index,
             )
@@ -383,12 +384,57 @@ def group(minfo: ModuleInfo) -> GroupedModule:
         grp, recs = _build_group(index, members, hidden, an, minfo, link)
         groups.append(grp)
         records.extend(recs)
+    records.extend(_constant_products(minfo, base))
     return GroupedModule(
         module_info=minfo,
         hidden_groups=tuple(groups),
         diagnostics=tuple(records),
         analyses=Analyses(base, per_group),
     )
+
+
+def _constant_products(minfo: ModuleInfo, an: StepAnalysis) -> list[CompilationRecord]:
+    """A warning for each plain product that mixes hidden-derived positions with a
+    matrix that no ParamState feeds (a constant, or a plain State). Like a recurrent
+    weight it is a boundary, so the route through it is left out of ``D``; unlike a
+    weight, no use of a parameter would report it."""
+    jaxpr = minfo.jaxpr
+    from_weights = {an.table.var(v) for s in minfo.weight_states for v in s.invars}
+    for eqn in jaxpr.eqns:  # every value computed from a weight
+        if any(isinstance(v, Var) and v in from_weights for v in eqn.invars):
+            from_weights.update(eqn.outvars)
+    sources = set(an.hidden_sources.values())
+    path_of = {k: p for p, k in an.hidden_sources.items()}
+    out: list[CompilationRecord] = []
+    for i in sorted(an.boundaries):
+        eqn = jaxpr.eqns[i]
+        if eqn.primitive.name not in ("dot_general", "conv_general_dilated"):
+            continue
+        hidden = [v for v in eqn.invars if isinstance(v, Var) and an.derived_from(v, sources)]
+        rest = [v for v in eqn.invars if not an.derived_from(v, sources)]
+        if not (hidden and rest) or any(isinstance(v, Var) and v in from_weights for v in rest):
+            continue
+        paths = tuple(
+            path_of[k]
+            for k in sorted({k for v in hidden for k in an.maps.get(v, {}) if k in path_of})
+        )
+        out.append(
+            record(
+                DiagnosticKind.RECURRENT_CONSTANT_PRODUCT,
+                DiagnosticLevel.WARNING,
+                f"{eqn.primitive.name} at {equation_location(eqn)} mixes the positions of "
+                f"values computed from hidden states {list(paths)} with a matrix that "
+                "no ParamState feeds (a constant, a plain State or an input). Like a "
+                "recurrent weight it is a boundary: the route through it is left out of the "
+                "hidden-to-hidden "
+                "Jacobian D, so online gradients through it are approximate for T > 1 "
+                "(exact at T = 1). Write a diagonal matrix as an element-wise product to "
+                "keep it in D; make the matrix a ParamState to learn it.",
+                primitive=str(eqn.primitive.name),
+                hidden_paths=paths,
+            )
+        )
+    return out
 
 
 def find_hidden_groups_from_minfo(
