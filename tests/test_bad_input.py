@@ -440,3 +440,28 @@ def test_numpy_integer_chunk_steps(make: Any) -> None:
     assert make(chunk_steps=np.int64(4)) == make(chunk_steps=4)
     with pytest.raises(TypeError, match="chunk_steps"):
         make(chunk_steps=4.0)
+
+
+def test_numpy_window_traced_decay_and_nested_lists() -> None:
+    """`window` takes a NumPy integer; a decay traced under `jax.jit` is a `TypeError`
+    that says the setting is static; nested lists as sequences get a short message
+    that says to convert them (not one entry per number)."""
+    model, x = build(etrax.nn.GRUCell, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    rule = etrax.DRTRL()
+
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.sum((y - t) ** 2)
+
+    xs, ts = jnp.ones((4, 3)), jnp.zeros((4, 4))
+    tr = rule.init(graph, state)
+    a = etrax.online_grad(graph, rule, state, tr, xs, ts, mse, window=np.int64(2)).grads
+    b = etrax.online_grad(graph, rule, state, tr, xs, ts, mse, window=2).grads
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(u, v)
+    with pytest.raises(TypeError, match="static"):
+        jax.jit(lambda d: etrax.PPProp(d).chunk_steps)(0.9)
+    with pytest.raises(etrax.StepInputError, match=r"jnp\.asarray\(xs\)") as info:
+        etrax.online_grad(graph, rule, state, tr, np.ones((50, 3)).tolist(), ts, mse)
+    assert len(str(info.value)) < 300

@@ -4,6 +4,7 @@ sequence length) and `bptt_grad` (exact backpropagation through time)."""
 import contextlib
 import functools
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import (
     TYPE_CHECKING,
@@ -11,6 +12,7 @@ from typing import (
     Generic,
     NamedTuple,
     NotRequired,
+    SupportsIndex,
     TypeAlias,
     TypedDict,
     TypeVar,
@@ -19,6 +21,7 @@ from typing import (
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from .._compat import (
@@ -957,17 +960,25 @@ def _check_sequences(
     t_leaves = jax.tree.leaves(targets)
     if not x_leaves:
         raise StepInputError("xs holds no arrays: pass inputs with a leading time axis")
+    for name, group in (("xs", x_leaves), ("targets", t_leaves)):
+        if any(isinstance(a, numbers.Number) for a in group):
+            raise StepInputError(
+                f"{name} holds Python numbers as leaves (a nested list?): convert it to an "
+                f"array with a leading time axis first, e.g. jnp.asarray({name})"
+            )
     shapes = [shape_dtype(a)[0] for a in x_leaves + t_leaves]
     lengths = {s[0] if s else -1 for s in shapes}
     if len(lengths) != 1 or -1 in lengths:
-        shown = sorted(
+        shown = [
             f"{name}: {jnp.shape(a)}"
             for name, group in (("xs", x_leaves), ("targets", t_leaves))
             for a in group
-        )
+        ]
+        more = f", … ({len(shown)} leaves)" if len(shown) > 8 else ""
         raise StepInputError(
             "xs and targets must share one leading time axis (one slice per step); got "
-            + ", ".join(shown)
+            + ", ".join(shown[:8])
+            + more
         )
     (T,) = lengths
     check_sequence_length(T)
@@ -1142,7 +1153,7 @@ def online_grad(
     targets: Any,
     loss_fn: LossFn | AuxLossFn[Any],
     *,
-    window: int | None = None,
+    window: SupportsIndex | None = None,
     modulators: PyTree | None = None,
     synthesiser: SyntheticGradient | None = None,
     has_aux: bool = False,
@@ -1209,15 +1220,18 @@ def online_grad(
         raise TypeError(f"has_aux must be True or False, got {has_aux!r}")
     T = _check_sequences(graph, xs, targets, loss_fn)
     w: object = window
+    if isinstance(w, np.integer):  # a NumPy integer (from a config array, say) is an int
+        w = int(w)
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
         raise ValueError(f"window must be an int in [1, T={T}], got {window!r}")
+    win: int | None = w
     if w is not None and not algo.symmetric:
         raise ValueError(
             f"{algo.name} learns from a signal other than the true ∂L/∂h, but windows compute "
             "that signal by reverse mode; run it without window="
         )
     modulators = _check_modulators(algo, modulators, T)
-    synthesiser = _check_synthesiser(graph, algo, synthesiser, window, state)
+    synthesiser = _check_synthesiser(graph, algo, synthesiser, win, state)
     key = (
         "online",
         _avals(xs),
@@ -1237,7 +1251,7 @@ def online_grad(
         _check_loss(graph, targets, loss_fn, has_aux)
         _remember(graph, key)
     grads, aux = _online_jit(
-        graph, loss_fn, window, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
+        graph, loss_fn, win, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
     )
     aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
     return OnlineResult(grads, cast("OnlineAux[TraceT]", aux))

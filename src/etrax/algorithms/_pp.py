@@ -40,7 +40,15 @@ class IOTraces(eqx.Module):
 
 
 def _scalar(value: object) -> object:
-    """A 0-d NumPy or JAX array as its Python scalar; anything else unchanged."""
+    """A 0-d NumPy or JAX array as its Python scalar; anything else unchanged. A traced
+    value (a rule built inside `jax.jit` or `jax.vmap` from a traced number) is a
+    `TypeError`: these settings are static, one compiled program per value."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            "PPProp: decay and chunk_steps must be concrete Python or NumPy numbers, not "
+            "traced values: they are static (one compiled program per value). Build the "
+            "rule outside jax.jit / jax.vmap, e.g. one rule per decay in a Python loop."
+        )
     if isinstance(value, np.ndarray | jax.Array) and value.shape == ():
         return value.item()
     return value
