@@ -341,3 +341,28 @@ def test_linked_groups_are_reported() -> None:
     assert rec.level is etrax.DiagnosticLevel.WARNING
     assert {g.varshape for g in graph.hidden_groups} == {(4,), ()}
     assert all(g.link is not None for g in graph.hidden_groups)
+
+
+def test_the_report_lists_unused_weights_apart() -> None:
+    """A ParamState the step never reads is listed as unused (zero gradient), not
+    among the weights that learn from their instantaneous gradient."""
+
+    class WithUnused(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W = brainstate.ParamState(0.3 * jnp.ones((3, 4)))
+            self.U = brainstate.ParamState(jnp.ones((4,)))
+
+        def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+            self.h = brainstate.HiddenState(jnp.zeros(4))
+
+        def update(self, x: Any) -> Any:
+            self.h.value = 0.5 * self.h.value + jnp.tanh(x @ self.W.value)
+            return self.h.value
+
+    model = WithUnused()
+    brainstate.nn.init_all_states(model)
+    text = str(etrax.compile_etrace_graph(model, jnp.zeros(3)).report())
+    head, _, rest = text.partition("Weights the step never reads")
+    assert "('U',)" in rest.split("Parameters")[0]
+    assert "exact instantaneous gradient" not in head

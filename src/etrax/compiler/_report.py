@@ -101,12 +101,18 @@ class CompilationReport:
             lines.append("Weight operations recognised automatically (no etrax op in the model):")
             lines.extend(f"   {r.message}" for r in recognised)
             lines.append("")
-        excluded = self.excluded_weights
+        rules = self.graph.weight_rules()
+        unused = {p for p, st in rules.items() if st.rule is WeightRule.UNUSED}
+        excluded = [(p, why) for p, why in self.excluded_weights if p not in unused]
         if excluded:
             lines.append("Weights not (wholly) traced through time (exact instantaneous gradient):")
             for i, (path, reason) in enumerate(excluded):
                 why = f"  ({reason})" if reason else ""
                 lines.append(f"   Weight {i}: {path}{why}")
+            lines.append("")
+        if unused:
+            lines.append("Weights the step never reads (their gradient is zero):")
+            lines.extend(f"   {path}" for path in rules if path in unused)
             lines.append("")
         lines.extend(self._parameter_lines())
         if level >= 2:
