@@ -266,3 +266,14 @@ def test_state_of_passes_arrays_of_the_compiled_type_through() -> None:
         read = etrax.state_of(graph).hidden[path]
         assert read.dtype == dtype and not read.weak_type
         assert np.array_equal(np.asarray(read), np.ones((2, 4)))
+
+
+def test_replacing_some_paths_says_which_are_missing() -> None:
+    model, x = build(etrax.nn.GRUCell, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    first = next(iter(state.params))
+    with pytest.raises(KeyError, match="missing"):
+        state.replace_params({first: state.params[first]})
+    with pytest.raises(KeyError, match="unknown"):
+        state.replace_hidden({**state.hidden, ("nope",): jnp.zeros(4)})

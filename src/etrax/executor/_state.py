@@ -58,11 +58,26 @@ class ModelState(eqx.Module):
 
     def replace_params(self, params: Mapping[Path, PyTree]) -> "ModelState":
         """A copy with new parameter values (same paths)."""
+        _same_paths("replace_params", self.params, params)
         return ModelState(PathDict((p, params[p]) for p in self.params), self.hidden, self.other)
 
     def replace_hidden(self, hidden: Mapping[Path, PyTree]) -> "ModelState":
         """A copy with new hidden values (same paths)."""
+        _same_paths("replace_hidden", self.hidden, hidden)
         return ModelState(self.params, PathDict((p, hidden[p]) for p in self.hidden), self.other)
+
+
+def _same_paths(where: str, have: Mapping[Path, Any], given: Mapping[Path, Any]) -> None:
+    """A `KeyError` that lists the missing and unknown paths unless `given` has exactly
+    the paths of `have`."""
+    missing = [p for p in have if p not in given]
+    unknown = [p for p in given if p not in have]
+    if missing or unknown:
+        raise KeyError(
+            f"{where} needs a value for every path {list(have)}: missing {missing}, unknown "
+            f"{unknown}. To change some, start from the current ones, e.g. "
+            f"{{**state.params, path: value}}."
+        )
 
 
 def _as_dtype(leaf: Any, dtype: Any) -> Any:
