@@ -7,6 +7,7 @@ from typing import Any
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jaxtyping import Array, ArrayLike
 
@@ -14,6 +15,7 @@ import etrax
 from etrax import DiagnosticKind as K
 
 from .models import LeakyLinear, build
+from .oracles import bptt_grads
 
 
 def _compile(model: brainstate.nn.Module, x: ArrayLike) -> etrax.ETraceGraph:
@@ -390,3 +392,65 @@ def test_no_relations_because_of_a_whole_loop_says_to_unroll_it() -> None:
         model, jnp.zeros(4), policy=etrax.CompilePolicy(unroll_limit=32)
     )
     assert unrolled.hidden_param_op_relations
+
+
+class PerHead(brainstate.nn.Module):
+    """``h ← h/2 + tanh(x_g W_g + h_g U_g)`` per head `g`, written as `jnp.einsum`
+    (data first or weight first) or as `jax.vmap` of ``x @ W`` over the heads."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(jax.random.PRNGKey(1), (3, 2, 4)))
+        self.U = brainstate.ParamState(0.5 * jax.random.normal(jax.random.PRNGKey(2), (3, 4, 4)))
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        shape = (3, 4) if batch_size is None else (batch_size, 3, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(shape))
+
+    def _product(self, v: Any, w: Any) -> Any:
+        if self.form == "einsum":
+            return jnp.einsum("...gi,gio->...go", v, w)
+        if self.form == "weight_first":
+            return jnp.einsum("gio,...gi->...go", w, v)
+        return jax.vmap(lambda a, b: a @ b, in_axes=(-2, 0), out_axes=-2)(v, w)
+
+    def update(self, x: Any) -> Any:
+        a = self._product(x, self.W.value) + self._product(self.h.value, self.U.value)
+        self.h.value = 0.5 * self.h.value + jnp.tanh(a)
+        return self.h.value
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+@pytest.mark.parametrize("form", ["einsum", "weight_first", "vmap"])
+def test_per_head_weights_are_recognised_as_grouped_matmul(form: str, batch: int | None) -> None:
+    """A product with one batch dimension on each side (per-head weights) becomes
+    `etrax.grouped_matmul`: both weights are traced, and at T = 1 every rule equals
+    BPTT through brainstate's own ``update``."""
+    model = PerHead(form)
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    shape = (3, 2) if batch is None else (batch, 3, 2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
+    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
+        ("W",): etrax.WeightRule.TRACED,
+        ("U",): etrax.WeightRule.TRACED,
+    }
+    notes = graph.explain(kind=K.WEIGHT_OP_RECOGNISED)
+    assert len(notes) == 2 and all("grouped_matmul" in r.message for r in notes)
+    state = etrax.state_of(graph)
+    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
+    state = state.replace_hidden({("h",): h})
+    xs = jax.random.normal(jax.random.PRNGKey(3), (1, *shape))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (1, *h.shape))
+    want = bptt_grads(model, state, xs, ts, _squared)
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for rule in rules:
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+        for path in want:
+            g = got.grads[path]
+            assert isinstance(g, jax.Array)
+            np.testing.assert_allclose(g, want[path], rtol=1e-10, atol=1e-12)
+
+
+def _squared(y: Array, t: Array) -> Array:
+    return jnp.sum((y - t) ** 2)

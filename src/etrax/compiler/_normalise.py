@@ -7,7 +7,8 @@ Three rewrites, each optional through a `CompilePolicy`:
   ``jnp.einsum``, brainunit's ``dot``/``matmul``) or ``conv_general_dilated`` whose
   one operand is a *weight value* (computed from ParamState leaves and constants
   only: the leaf itself, ``abs(w)``, ``w * mask``, a standardised ``w``, …) and whose
-  other operand is data becomes the equivalent ETP op (`etrax.matmul`, `etrax.conv`).
+  other operand is data becomes the equivalent ETP op (`etrax.matmul`, `etrax.conv`;
+  per-group weights, one batch dimension on each side, `etrax.grouped_matmul`).
   A following ``+ b`` with a weight-valued ``b`` along the output features becomes
   the op's bias.
 - **Fused gates split.** When such an op's output (through element-wise functions of
@@ -152,6 +153,7 @@ class _Fused:
     bias_atom: Any = None  # that add's weight-valued operand
     chain: list[int] = field(default_factory=list)  # element-wise eqns before the split
     cuts: list[int] = field(default_factory=list)  # split / slice eqns that take parts
+    grouped: bool = False  # a per-group weight (one batch dimension): grouped_matmul
 
     @property
     def emit_at(self) -> int:
@@ -276,6 +278,8 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
             continue
         slot = k.index(_Kind.WEIGHT)
         if name == "dot_general" and not _dense_dims(eqn, slot):
+            if _grouped_dims(eqn, slot):  # per-group weights: no bias or cuts folded in
+                plans[i] = _Fused(anchor=i, weight_slot=slot, grouped=True)
             continue
         if name == "conv_general_dilated" and (slot != 1 or not _conv_dims(eqn)):
             continue
@@ -462,12 +466,23 @@ class _Rewriter:
         return eqn, x, w, bias
 
     def _op(
-        self, eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any, part: tuple[int, int] | None
+        self,
+        eqn: JaxprEqn,
+        slot: int,
+        x: Any,
+        w: Any,
+        bias: Any,
+        part: tuple[int, int] | None,
+        grouped: bool = False,
     ) -> Any:
         """The ETP op equivalent to the anchor equation (on one feature range)."""
         from ..ops import conv, matmul
 
         with equation_context(eqn):
+            if grouped:
+                y = _grouped_op(eqn, slot, x, w, bias)
+                dtype = aval_of(eqn.outvars[0]).dtype
+                return y if y.dtype == dtype else y.astype(dtype)
             if eqn.primitive.name == "dot_general":
                 x2, w2 = _dense_operands(eqn, slot, x, w)
             else:
@@ -502,7 +517,7 @@ class _Rewriter:
     ) -> Any:
         eqn, x, w, bias = self._operands(jaxpr, plan, read)
         self._note_recognised(jaxpr, plan, sources)
-        return self._op(eqn, plan.weight_slot, x, w, bias, None)
+        return self._op(eqn, plan.weight_slot, x, w, bias, None, plan.grouped)
 
     def _parts(
         self,
@@ -542,7 +557,13 @@ class _Rewriter:
         paths = self._paths(
             sources.get(w_atom, frozenset()) if isinstance(w_atom, Var) else frozenset()
         )
-        op = "etrax.matmul" if eqn.primitive.name == "dot_general" else "etrax.conv"
+        op = (
+            "etrax.grouped_matmul"
+            if plan.grouped
+            else "etrax.matmul"
+            if eqn.primitive.name == "dot_general"
+            else "etrax.conv"
+        )
         extras = []
         if plan.bias_eqn is not None:
             extras.append("with the following add as its bias")
@@ -704,6 +725,37 @@ def _bias_value(jaxpr: Jaxpr, atom: Var, read: Any) -> Any:
         if atom in eqn.outvars:
             return read(eqn.invars[0])
     raise AssertionError("planned bias has no producer")
+
+
+def _grouped_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
+    """Whether a dot_general is a per-group product `etrax.grouped_matmul` expresses
+    (``einsum('gi,gio->go')``, ``'bgi,gio->bgo'``, or ``jax.vmap`` of ``x @ W[g]``): one
+    batch dimension on each side, a weight of one batch, one contracted and one free
+    axis, and data of one contracted and at most one free axis."""
+    (lc, _), (lb, rb) = eqn.params["dimension_numbers"]
+    if len(lb) != 1 or len(rb) != 1 or len(lc) != 1:
+        return False
+    ndim = [len(aval_of(a).shape) for a in eqn.invars]
+    return ndim[weight_slot] == 3 and ndim[1 - weight_slot] in (2, 3)
+
+
+def _grouped_op(eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any) -> Any:
+    """The dot_general of `_grouped_dims` as `etrax.grouped_matmul`: the operands moved
+    to ``([B,] G, I)`` and ``(G, I, O)``, the result back to the dot_general's layout
+    (batch, then the first operand's free axes, then the second's)."""
+    from ..ops import grouped_matmul
+
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (xb, wb) = (lb[0], rb[0]) if slot == 1 else (rb[0], lb[0])
+    (xc, wc) = (lc[0], rc[0]) if slot == 1 else (rc[0], lc[0])
+    (wf,) = [d for d in range(3) if d not in (wb, wc)]
+    x_free = [d for d in range(jnp.ndim(x)) if d not in (xb, xc)]
+    w3 = jnp.transpose(w, (wb, wc, wf))
+    x3 = jnp.transpose(x, (*x_free, xb, xc))
+    y = grouped_matmul(x3, w3, bias)  # ([B,] G, O)
+    if not x_free:
+        return y  # (G, O): the dot_general's order either way
+    return jnp.transpose(y, (1, 0, 2) if slot == 1 else (1, 2, 0))
 
 
 def _dense_operands(eqn: JaxprEqn, slot: int, x: Any, w: Any) -> tuple[Any, Any]:
