@@ -465,3 +465,36 @@ def test_numpy_window_traced_decay_and_nested_lists() -> None:
     with pytest.raises(etrax.StepInputError, match=r"jnp\.asarray\(xs\)") as info:
         etrax.online_grad(graph, rule, state, tr, np.ones((50, 3)).tolist(), ts, mse)
     assert len(str(info.value)) < 300
+
+
+def test_differentiating_through_an_online_gradient_is_refused() -> None:
+    """An online gradient's values are exact for its rule, but its derivatives are not
+    (the traces hold the step's weight operations constant): `jax.grad` through
+    `online_grad` is a `TypeError` that points to `bptt_grad`, whose own derivatives
+    match finite differences."""
+    model, x = build(etrax.nn.GRUCell, 3, 4, batch=2)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (4, 2, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (4, 2, 4))
+
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.sum((y - t) ** 2)
+
+    def meta(v: Any, rule: Any) -> Any:
+        g = etrax.online_grad(graph, rule, state, rule.init(graph, state), v, ts, mse).grads
+        return sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g))
+
+    for rule in (etrax.DRTRL(), etrax.PPProp(0.9, chunk_steps=1)):
+        meta(xs, rule)  # the value itself is fine
+        with pytest.raises(TypeError, match="bptt_grad"):
+            jax.grad(meta)(xs, rule)
+
+    def meta_bptt(v: Any) -> Any:
+        g = etrax.bptt_grad(graph, state, v, ts, mse).grads
+        return sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g))
+
+    d = jax.random.normal(jax.random.PRNGKey(2), xs.shape)
+    eps = 1e-6
+    fd = (meta_bptt(xs + eps * d) - meta_bptt(xs - eps * d)) / (2 * eps)
+    np.testing.assert_allclose(jnp.sum(jax.grad(meta_bptt)(xs) * d), fd, rtol=1e-6)
