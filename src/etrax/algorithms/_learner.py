@@ -32,6 +32,7 @@ from ..compiler import (
     compile_etrace_graph,
 )
 from ..executor import ModelState, state_of, write_back
+from ..executor._state import path_diff
 from ._base import DEFAULT_CHUNK_STEPS, OnlineAlgorithm, check_relations
 from ._drivers import (
     AuxLossFn,
@@ -248,8 +249,7 @@ class OnlineLearner:
             zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
         )
         expected = list(self.state.params)
-        missing = [p for p in expected if p not in values]
-        unknown = [p for p in values if p not in self.state.params]
+        missing, unknown = path_diff(expected, values)
         if missing or unknown:
             raise KeyError(
                 f"learner.params needs exactly the parameter paths {expected}; missing "

@@ -1,6 +1,6 @@
 """`ModelState`: the values a step reads, as a frozen pytree of arrays keyed by path."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import brainstate
@@ -67,11 +67,16 @@ class ModelState(eqx.Module):
         return ModelState(self.params, PathDict((p, hidden[p]) for p in self.hidden), self.other)
 
 
+def path_diff(expected: Iterable[Path], given: Iterable[Path]) -> tuple[list[Path], list[Path]]:
+    """The paths of `expected` that `given` lacks, and those of `given` not expected."""
+    want, have = list(expected), list(given)
+    return [p for p in want if p not in have], [p for p in have if p not in want]
+
+
 def _same_paths(where: str, have: Mapping[Path, Any], given: Mapping[Path, Any]) -> None:
     """A `KeyError` that lists the missing and unknown paths unless `given` has exactly
     the paths of `have`."""
-    missing = [p for p in have if p not in given]
-    unknown = [p for p in given if p not in have]
+    missing, unknown = path_diff(have, given)
     if missing or unknown:
         raise KeyError(
             f"{where} needs a value for every path {list(have)}: missing {missing}, unknown "
@@ -314,9 +319,7 @@ def check_state(graph: ETraceGraph, state: ModelState) -> None:
         (StateKind.HIDDEN, "hidden", state.hidden),
         (StateKind.OTHER, "other", state.other),
     ):
-        expected = [s.path for s in mi.states_of(kind)]
-        missing = [p for p in expected if p not in d]
-        extra = [p for p in d if p not in expected]
+        missing, extra = path_diff((s.path for s in mi.states_of(kind)), d)
         if missing or extra:
             raise StepInputError(
                 f"state.{field} does not match this graph: missing {missing}, unexpected "
