@@ -368,3 +368,37 @@ def constant_outputs(fn: Callable[..., Any], *args: Any) -> Any | None:
             return None
         leaves.append(jax.device_put(np.array(val, dtype=atom.aval.dtype)))
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def not_differentiable(message: str, tree: Any, anchor: Any = None) -> Any:
+    """`tree` unchanged; differentiating through it is a `TypeError` with `message`: for
+    values whose derivatives etrax does not compute (online gradients, a step's
+    Jacobians), which would otherwise be silently wrong or zero. `anchor` holds the
+    inputs `tree` was computed from, so the check also fires where `tree` itself was
+    computed out of reach of autodiff; a function that does not use `tree` is
+    differentiated as usual."""
+    return tree
+
+
+def _nd_fwd(message: str, tree: Any, anchor: Any) -> tuple[Any, None]:
+    primal = jax.custom_derivatives.CustomVJPPrimal  # each leaf, with symbolic zeros
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, primal) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, primal),
+    ), None
+
+
+def _nd_bwd(message: str, _: None, cotangent: Any) -> tuple[None, None]:
+    zero = jax.custom_derivatives.SymbolicZero
+    if all(isinstance(c, zero) for c in jax.tree.leaves(cotangent, is_leaf=_is_zero)):
+        return None, None
+    raise TypeError(message)
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, jax.custom_derivatives.SymbolicZero)
+
+
+not_differentiable.defvjp(_nd_fwd, _nd_bwd, symbolic_zeros=True)

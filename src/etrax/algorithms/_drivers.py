@@ -29,6 +29,7 @@ from .._compat import (
     Literal,
     aval_of,
     bind_equation,
+    not_differentiable,
     shape_struct,
     struct_of,
     vary_like,
@@ -1255,32 +1256,16 @@ def online_grad(
         graph, loss_fn, win, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
     )
     aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
-    return OnlineResult(not_differentiable(grads), cast("OnlineAux[TraceT]", aux))
+    grads = not_differentiable(_ONLINE_NOT_DIFFERENTIABLE, grads, (state, xs, targets))
+    return OnlineResult(grads, cast("OnlineAux[TraceT]", aux))
 
 
-@jax.custom_vjp
-def not_differentiable(grads: PyTree) -> PyTree:
-    """`grads` unchanged; differentiating through them is a `TypeError`. An online
-    gradient's values are exact for its rule, but its derivatives with respect to the
-    inputs are not: the traces treat the boundaries of the step (weight operations) as
-    constants, so a meta-gradient through them would be silently wrong."""
-    return grads
-
-
-def _nd_fwd(grads: PyTree) -> tuple[PyTree, None]:
-    return grads, None
-
-
-def _nd_bwd(_: None, cotangent: PyTree) -> tuple[PyTree]:
-    raise TypeError(
-        "etrax.online_grad's gradients cannot be differentiated (a meta-gradient through "
-        "them would be wrong: the traces hold the step's weight operations constant). "
-        "Differentiate through etrax.bptt_grad instead, or stop the gradient before it "
-        "(jax.lax.stop_gradient) if the online gradient is only a value there."
-    )
-
-
-not_differentiable.defvjp(_nd_fwd, _nd_bwd)
+_ONLINE_NOT_DIFFERENTIABLE = (
+    "etrax.online_grad's gradients cannot be differentiated (a meta-gradient through "
+    "them would be wrong: the traces hold the step's weight operations constant). "
+    "Differentiate through etrax.bptt_grad instead, or stop the gradient before it "
+    "(jax.lax.stop_gradient) if the online gradient is only a value there."
+)
 
 
 def _check_synthesiser(

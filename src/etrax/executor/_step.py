@@ -303,7 +303,9 @@ def step(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[PyTree, ModelSt
     - `x`: the step input: the array itself for a one-argument ``update(x)``, a
       tuple for several arguments.
 
-    **Returns:** ``(y, new_state, jac)`` with `jac` a `StepJacobians`.
+    **Returns:** ``(y, new_state, jac)`` with `jac` a `StepJacobians`. `y` and the new
+    state can be differentiated; the Jacobians carry no gradient (a function of them
+    differentiates to zero).
 
     **Raises:** `StepInputError` when `x` or `state` do not match the graph (checked
     before tracing).
