@@ -454,3 +454,22 @@ def test_per_head_weights_are_recognised_as_grouped_matmul(form: str, batch: int
 
 def _squared(y: Array, t: Array) -> Array:
     return jnp.sum((y - t) ** 2)
+
+
+class SelfProduct(LeakyLinear):
+    """``h ← h/2 + 0.3 tanh(h (h · h)) + fc(x)``: a product of hidden values with each
+    other (a `dot_general` with the hidden state on both sides)."""
+
+    def update(self, x: ArrayLike) -> Array:
+        h = self.h.value
+        self.h.value = 0.5 * h + 0.3 * jnp.tanh(h * jnp.dot(h, h)) + self.fc(x)
+        return self.h.value
+
+
+def test_a_product_of_hidden_values_with_each_other_is_reported() -> None:
+    """``h · h`` mixes positions without a weight: a boundary left out of D, with a
+    `RECURRENT_CONSTANT_PRODUCT` warning (never a silently wrong D)."""
+    model, x = build(SelfProduct, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    (rec,) = graph.explain(kind=K.RECURRENT_CONSTANT_PRODUCT)
+    assert "with each other" in rec.message and rec.hidden_paths == (("h",),)

@@ -395,9 +395,9 @@ def group(minfo: ModuleInfo) -> GroupedModule:
 
 def _constant_products(minfo: ModuleInfo, an: StepAnalysis) -> list[CompilationRecord]:
     """A warning for each plain product that mixes hidden-derived positions with a
-    matrix that no ParamState feeds (a constant, or a plain State). Like a recurrent
-    weight it is a boundary, so the route through it is left out of ``D``; unlike a
-    weight, no use of a parameter would report it."""
+    matrix that no ParamState feeds (a constant, a plain State, an input, or hidden
+    values again). Like a recurrent weight it is a boundary, so the route through it
+    is left out of ``D``; unlike a weight, no use of a parameter would report it."""
     jaxpr = minfo.jaxpr
     from_weights = {an.table.var(v) for s in minfo.weight_states for v in s.invars}
     for eqn in jaxpr.eqns:  # every value computed from a weight
@@ -412,7 +412,7 @@ def _constant_products(minfo: ModuleInfo, an: StepAnalysis) -> list[CompilationR
             continue
         hidden = [v for v in eqn.invars if isinstance(v, Var) and an.derived_from(v, sources)]
         rest = [v for v in eqn.invars if not an.derived_from(v, sources)]
-        if not (hidden and rest) or any(isinstance(v, Var) and v in from_weights for v in rest):
+        if not hidden or any(isinstance(v, Var) and v in from_weights for v in rest):
             continue
         paths = tuple(
             path_of[k]
@@ -423,13 +423,17 @@ def _constant_products(minfo: ModuleInfo, an: StepAnalysis) -> list[CompilationR
                 DiagnosticKind.RECURRENT_CONSTANT_PRODUCT,
                 DiagnosticLevel.WARNING,
                 f"{eqn.primitive.name} at {equation_location(eqn)} mixes the positions of "
-                f"values computed from hidden states {list(paths)} with a matrix that "
-                "no ParamState feeds (a constant, a plain State or an input). Like a "
-                "recurrent weight it is a boundary: the route through it is left out of the "
-                "hidden-to-hidden "
-                "Jacobian D, so online gradients through it are approximate for T > 1 "
-                "(exact at T = 1). Write a diagonal matrix as an element-wise product to "
-                "keep it in D; make the matrix a ParamState to learn it.",
+                f"values computed from hidden states {list(paths)} "
+                + (
+                    "with a matrix that no ParamState feeds (a constant, a plain State or an input)"
+                    if rest
+                    else "with each other (a product of hidden values, such as h · h)"
+                )
+                + ". Like a recurrent weight it is a boundary: the route through it is left "
+                "out of the hidden-to-hidden Jacobian D, so online gradients through it are "
+                "approximate for T > 1 (exact at T = 1). Write a diagonal matrix as an "
+                "element-wise product, and a reduction as jnp.sum, to keep them in D; make a "
+                "matrix a ParamState to learn it.",
                 primitive=str(eqn.primitive.name),
                 hidden_paths=paths,
             )
