@@ -21,6 +21,8 @@ from jaxtyping import Array
 import etrax
 from etrax._typing import Path
 
+from .oracles import bptt_grads
+
 TOL = 1e-10
 
 
@@ -366,3 +368,56 @@ def test_the_report_lists_unused_weights_apart() -> None:
     head, _, rest = text.partition("Weights the step never reads")
     assert "('U',)" in rest.split("Parameters")[0]
     assert "exact instantaneous gradient" not in head
+
+
+class Threshold(brainstate.nn.Module):
+    """``V ← where(θ > 0.2, 0.9 V, 0.5 V) + fc(x) θ``: the weight θ is read by a
+    comparison (a boolean use, no gradient) and by a product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+        self.th = brainstate.ParamState(jnp.array([0.3, 0.1, 0.5, 0.25]))
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.V = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: Any) -> Any:
+        v = self.V.value
+        new = jnp.where(self.th.value > 0.2, 0.9 * v, 0.5 * v) + self.fc(x) * self.th.value
+        self.V.value = new
+        return new
+
+
+def test_a_boolean_use_of_a_weight_carries_no_gradient() -> None:
+    """A weight read by a comparison has a boolean use, with no gradient; its other
+    uses still learn, and every rule (in chunks, per step, in windows) equals BPTT
+    through brainstate's own update at T = 1."""
+    model = Threshold()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert any(u.dtype == jnp.bool_ for u in graph.weight_rules()[("th",)].uses)
+    state = etrax.state_of(graph).replace_hidden({("V",): jnp.array([0.5, -1.0, 2.0, 0.3])})
+    xs = jax.random.normal(jax.random.PRNGKey(0), (1, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(1), (1, 4))
+
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.sum((y - t) ** 2)
+
+    want = bptt_grads(model, state, xs, ts, mse)
+    assert float(jnp.max(jnp.abs(want[("th",)]))) > 0
+    rules: list[etrax.OnlineAlgorithm[Any]] = [
+        etrax.DRTRL(),
+        etrax.DRTRL(chunk_steps=1),
+        etrax.PPProp(0.9),
+        etrax.EProp(0.5),
+    ]
+    for rule in rules:
+        for window in (None, 1):
+            tr = rule.init(graph, state)
+            got = etrax.online_grad(graph, rule, state, tr, xs, ts, mse, window=window).grads
+            for path in want:
+                for a, b in zip(
+                    jax.tree.leaves(got[path]), jax.tree.leaves(want[path]), strict=True
+                ):
+                    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

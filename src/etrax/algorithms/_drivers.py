@@ -72,6 +72,7 @@ from ._kernels import instant_contribution
 from ._plan import plan_of
 from ._weights import (
     add_param_grads,
+    differentiable,
     leaf_grads_to_params,
     operand_leaf_grads,
     operand_values,
@@ -229,9 +230,10 @@ def _live(graph: ETraceGraph, defer: bool) -> tuple[tuple[int, ...], tuple[int, 
     `deferred_eqns` and the ``ε`` of `live_eps`."""
     uses = plan_of(graph).instant_uses
     if not defer:
-        return tuple(range(len(uses))), ()
+        return tuple(n for n, u in enumerate(uses) if differentiable(u)), ()
     later = deferred_eqns(graph)
-    return tuple(n for n, u in enumerate(uses) if u.eqn_index not in later), live_eps(graph)
+    live = tuple(n for n, u in enumerate(uses) if u.eqn_index not in later and differentiable(u))
+    return live, live_eps(graph)
 
 
 def _step_grads(
@@ -485,7 +487,7 @@ def _deferred_use_grads(
     pulled: dict[int, list[Array | None]] = {}
     out: list[Array] = []
     for n, u in enumerate(uses):
-        if u.eqn_index not in later:
+        if u.eqn_index not in later or not differentiable(u):
             out.append(jnp.zeros(u.shape, u.dtype))
             continue
         i, eqn = u.eqn_index, eqns[u.eqn_index]

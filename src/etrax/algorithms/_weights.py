@@ -21,6 +21,7 @@ from ..compiler import ETraceGraph, ParamUse
 __all__ = [
     "LeafGrads",
     "add_param_grads",
+    "differentiable",
     "leaf_grads_to_params",
     "operand_leaf_grads",
     "operand_values",
@@ -147,8 +148,16 @@ def use_leaf_grads(
     `into`, if given)."""
     leaf_grads: LeafGrads = {} if into is None else into
     for use, g in zip(uses, grads, strict=True):
+        if not differentiable(use):
+            continue  # a comparison's result, say: no gradient flows through it
         leaves = [_leaf(params, p, i) for p, i in use.param_leaves]
         program = functools.partial(_run_program, use.program, _consts(graph, use.consts))
         _, vjp = jax.vjp(program, *leaves)
         _accumulate(leaf_grads, use.param_leaves, vjp(g.astype(use.dtype)))
     return leaf_grads
+
+
+def differentiable(use: ParamUse) -> bool:
+    """Whether a use's weight value carries a gradient: a floating (or complex) value;
+    not a boolean or integer one computed from the weight (``w > 0.2``)."""
+    return bool(jnp.issubdtype(use.dtype, jnp.inexact))
