@@ -473,3 +473,96 @@ def test_a_product_of_hidden_values_with_each_other_is_reported() -> None:
     graph = etrax.compile_etrace_graph(model, x)
     (rec,) = graph.explain(kind=K.RECURRENT_CONSTANT_PRODUCT)
     assert "with each other" in rec.message and rec.hidden_paths == (("h",),)
+
+
+class Refractory(brainstate.nn.Module):
+    """A LIF with a refractory counter state, a hard threshold and a detached reset:
+    the step computes boolean values that reach its outputs (``v + s``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.V = brainstate.HiddenState(jnp.array([0.9, 0.2, 1.5, 0.4]))
+        self.r = brainstate.HiddenState(jnp.array([0.0, 2.0, 0.0, 1.0]))
+
+    def update(self, x: Any) -> Any:
+        v = jnp.where(self.r.value > 0, self.V.value, 0.9 * self.V.value + self.fc(x))
+        s = (v > 1.0).astype(v.dtype)
+        v = v - jax.lax.stop_gradient(s)
+        self.V.value = v
+        self.r.value = jnp.where(s > 0, 2.0, jnp.maximum(self.r.value - 1.0, 0.0))
+        return v + s
+
+
+def test_a_refractory_neuron_with_boolean_values_compiles_and_is_exact_at_t1() -> None:
+    model = Refractory()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.PRNGKey(3), (1, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (1, 4))
+    want = bptt_grads(model, state, xs, ts, _squared)
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for rule in rules:
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+        for path in want:
+            for a, b in zip(
+                jax.tree.leaves(got.grads[path]), jax.tree.leaves(want[path]), strict=True
+            ):
+                np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+class MixedDtypes(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.v = brainstate.HiddenState(jnp.zeros(4, jnp.float64))
+        self.a = brainstate.HiddenState(jnp.zeros(4, jnp.float32))
+
+    def update(self, x: Any) -> Any:
+        v = 0.9 * self.v.value - self.a.value.astype(jnp.float64) + self.fc(x)
+        self.a.value = 0.8 * self.a.value + 0.1 * v.astype(jnp.float32)
+        self.v.value = v
+        return v
+
+
+def test_one_group_of_two_dtypes_is_refused_at_compile_time() -> None:
+    model = MixedDtypes()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.NotSupportedError, match="dtypes differ"):
+        etrax.compile_etrace_graph(model, jnp.ones(3))
+
+
+@jax.custom_vjp
+def _vjp_spike(v: Array) -> Array:
+    return (v > 0).astype(v.dtype)
+
+
+def _spike_fwd(v: Array) -> tuple[Array, Array]:
+    return _vjp_spike(v), v
+
+
+def _spike_bwd(v: Array, g: Array) -> tuple[Array]:
+    return (g / (1.0 + 5.0 * jnp.abs(v)) ** 2,)
+
+
+_vjp_spike.defvjp(_spike_fwd, _spike_bwd)
+
+
+class VJPSpiking(LeakyLinear):
+    def update(self, x: ArrayLike) -> Array:
+        v = 0.9 * self.h.value + self.fc(x)
+        self.h.value = v - jax.lax.stop_gradient(_vjp_spike(v - 1.0)) + 0.1 * _vjp_spike(v)
+        return self.h.value
+
+
+def test_a_custom_vjp_surrogate_on_a_traced_path_is_refused_at_compile_time() -> None:
+    """Transitions and tails are differentiated in forward mode, which a custom_vjp
+    function lacks: a typed error at compile time that suggests custom_jvp."""
+    model, x = build(VJPSpiking, 3, 4)
+    with pytest.raises(etrax.NotSupportedError, match="custom_jvp"):
+        etrax.compile_etrace_graph(model, x)

@@ -19,11 +19,12 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .._compat import Var, equation_location, vary_like
+from .._errors import NotSupportedError
 from .._typing import Path, Shape, VarId
 from ._analysis import Analyses, StepAnalysis, analyse_step
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
 from ._extract import extract
-from ._jaxpr import Program, forward_closure, slice_program
+from ._jaxpr import Program, forward_closure, refuse_custom_vjp, slice_program
 from ._module_info import ModuleInfo, StateInfo
 from ._positions import Mixed, identity_align
 
@@ -208,6 +209,14 @@ def _build_group(
     table = an.table
     infos = [hidden[m] for m in members]
     paths = tuple(s.path for s in infos)
+    dtypes = {s.path: np.dtype(s.dtypes[0]) for s in infos}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{p} {d}" for p, d in dtypes.items())
+        raise NotSupportedError(
+            f"Hidden states {list(paths)} update each other within a step, so they form one "
+            f"group, held as one array; but their dtypes differ ({listed}). Give them one "
+            "dtype (e.g. create every state with brainstate.environ.dftype())."
+        )
     sources = {an.hidden_sources[s.path] for s in infos}
     varshape = infos[0].varshape
     expected = identity_align(varshape)
@@ -239,6 +248,7 @@ def _build_group(
         outputs,
         an.slice_filter(sources),
     )
+    refuse_custom_vjp(program, f"transition of hidden group {index} {list(paths)}")
     grp = HiddenGroup(
         index=index,
         hidden_paths=paths,

@@ -276,3 +276,25 @@ def forward_closure(
                     reached.add(out)
                     stack.append(out)
     return reached
+
+
+CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def refuse_custom_vjp(program: Program, what: str) -> None:
+    """A `NotSupportedError` if `program` (a transition or a tail, whose Jacobians are
+    taken in forward mode) calls a `jax.custom_vjp` function, which JAX cannot
+    differentiate forward: a surrogate spike written with `jax.custom_vjp`, say."""
+    from .._compat import equation_location
+    from .._errors import NotSupportedError
+
+    for eqn in program.closed.jaxpr.eqns:
+        if eqn.primitive.name in CUSTOM_VJP:
+            raise NotSupportedError(
+                f"The {what} calls a jax.custom_vjp function at {equation_location(eqn)}. "
+                "etrax takes the Jacobians of transitions and tails in forward mode, which "
+                "a custom_vjp function does not have. Define a surrogate gradient with "
+                "jax.custom_jvp instead (etrax.nn's spiking neurons do), or keep the "
+                "custom_vjp function off the paths from the previous hidden values and "
+                "the weight operations to the new ones."
+            )

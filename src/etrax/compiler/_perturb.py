@@ -486,7 +486,11 @@ class _Run:
                 value = self.read(self.orig, atom, -1, pos)
             elif isinstance(atom, Var):
                 value = self.total(atom)
-                if role is None and atom in self.blocked:
+                if (
+                    role is None
+                    and atom in self.blocked
+                    and jnp.issubdtype(jnp.result_type(value), jnp.inexact)
+                ):  # a boolean or integer value carries no perturbation
                     value = value + (self.blocked[atom] - self.orig[atom])
             else:
                 value = atom.val

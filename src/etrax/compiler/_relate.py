@@ -40,7 +40,7 @@ from ._analysis import Analyses
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
 from ._extract import extract
 from ._group import GroupedModule, HiddenGroup, group
-from ._jaxpr import Program, VarTable, forward_closure, slice_program
+from ._jaxpr import Program, VarTable, forward_closure, refuse_custom_vjp, slice_program
 from ._module_info import ModuleInfo, StateKind
 from ._positions import Mixed, identity_align
 from ._uses import EtpStatus, ParamUse, find_uses
@@ -487,6 +487,7 @@ def _tail(
     program, consts = slice_program(
         ctx.minfo.closed_jaxpr, ctx.table, [op.y], outputs, an.slice_filter({op.src})
     )
+    refuse_custom_vjp(program, f"tail from a weight operation to hidden group {g.index}")
     tail = RelationTail(
         group_index=g.index,
         hidden_paths=member_paths,
