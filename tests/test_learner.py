@@ -501,3 +501,95 @@ def test_reinitialised_states_are_refused_and_reset_keeps_them(cell: Any) -> Non
     ):
         with pytest.raises(etrax.StepInputError, match=r"learner\.reset"):
             call()
+
+
+class _LeakyReadout(brainstate.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 6)
+        self.out = etrax.nn.Linear(6, 2)
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((6,) if batch_size is None else (batch_size, 6)))
+
+    def update(self, x: Any) -> Any:
+        self.h.value = 0.8 * self.h.value + jnp.tanh(self.fc(x))
+        return self.out(self.h.value)
+
+
+def _sq(y: Array, t: Array) -> Array:
+    return jnp.sum((y - t) ** 2)
+
+
+def _seq(T: int, B: int, seed: int = 0) -> tuple[Array, Array]:
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return jax.random.normal(k1, (T, B, 3)), jax.random.normal(k2, (T, B, 2))
+
+
+def _close(a: Any, b: Any) -> None:
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(u, v, rtol=1e-10, atol=1e-12)
+
+
+def test_bptt_grad_in_the_middle_of_a_sequence_moves_the_traces_on() -> None:
+    """``etrace_grad``, then ``bptt_grad`` on the next steps, then ``etrace_grad``
+    gives the last call's gradient of the uninterrupted sequence (the traces advance
+    with the hidden states, as in ``etrace_evolve``)."""
+    xs, ys = _seq(9, 2)
+    brainstate.random.seed(0)
+    a = etrax.compile(_LeakyReadout(), etrax.DRTRL(), xs[0], batch_size=2)
+    brainstate.random.seed(0)
+    b = etrax.compile(_LeakyReadout(), etrax.DRTRL(), xs[0], batch_size=2)
+    a.etrace_grad(xs[:3], ys[:3], _sq)
+    a.etrace_evolve(xs[3:6])
+    want = a.etrace_grad(xs[6:], ys[6:], _sq)
+    b.etrace_grad(xs[:3], ys[:3], _sq)
+    b.bptt_grad(xs[3:6], ys[3:6], _sq)
+    _close(b.etrace_grad(xs[6:], ys[6:], _sq), want)
+
+
+def test_reset_returns_to_the_compiled_batch_size_and_its_initial_values() -> None:
+    """``reset()`` defaults to the batch size given to `etrax.compile`, and a hidden
+    state that no ``reset_state`` resets gets its initial value back, even after a
+    reset to another batch size."""
+    xs, ys = _seq(4, 3)
+    model = _LeakyReadout()
+    learner = etrax.compile(model, etrax.DRTRL(), xs[0], batch_size=3)
+    initial = jnp.asarray(model.h.value)
+    learner.etrace_grad(xs, ys, _sq)
+    learner.reset(batch_size=2)
+    learner.reset()
+    assert learner.batch_size == 3
+    np.testing.assert_array_equal(model.h.value, initial)
+    learner.etrace_grad(xs, ys, _sq)
+
+
+def test_the_learner_carries_dnis_synthesiser_between_calls() -> None:
+    """With `DNI`, each `etrace_grad` call trains the synthesiser and the next starts
+    from it, as the functional form with ``synthesiser=aux["synthesiser"]`` does."""
+    xs, ys = _seq(6, 2)
+    brainstate.random.seed(0)
+    model = _LeakyReadout()
+    learner = etrax.compile(model, etrax.DNI(0.1), xs[0], batch_size=2)
+    graph, rule = learner.graph, learner.algorithm
+    state, synth = etrax.state_of(graph), None
+    traces = rule.init(graph, state)
+    for _ in range(3):
+        got = learner.etrace_grad(xs, ys, _sq, window=3)
+        res = etrax.online_grad(
+            graph, rule, state, traces, xs, ys, _sq, window=3, synthesiser=synth
+        )
+        state, traces, synth = res.state, res.traces, res.synthesiser
+        _close(got, res.grads)
+    assert learner.synthesiser is not None
+    with pytest.raises(ValueError, match="synthesiser"):
+        etrax.compile(_LeakyReadout(), etrax.DNI(), xs[0], batch_size=2, vmap=True)
+
+
+def test_snap_runs_in_a_vmap_learner_as_in_a_batched_one() -> None:
+    xs, ys = _seq(4, 3)
+    brainstate.random.seed(0)
+    batched = etrax.compile(_LeakyReadout(), etrax.SnAp(2), xs[0], batch_size=3)
+    brainstate.random.seed(0)
+    mapped = etrax.compile(_LeakyReadout(), etrax.SnAp(2), xs[0], batch_size=3, vmap=True)
+    _close(mapped.etrace_grad(xs, ys, _sq), batched.etrace_grad(xs, ys, _sq))

@@ -34,6 +34,7 @@ from ..compiler import (
 from ..executor import ModelState, state_of, write_back
 from ..executor._state import path_diff
 from ._base import DEFAULT_CHUNK_STEPS, OnlineAlgorithm, check_relations
+from ._dni import SyntheticGradient
 from ._drivers import (
     AuxLossFn,
     AuxT,
@@ -134,12 +135,16 @@ class OnlineLearner:
             if not (isinstance(path[0], str) and path[0].startswith("_unknown_path_"))
         )
         self._programs: dict[Hashable, Callable[..., Any]] = {}
+        self._compiled_batch = batch_size  # what `reset()` returns to
         start = state_of(graph)
         self._initial_hidden = dict(start.hidden)
         self._initial_written = {p: start.other[p] for p in self._written_other}
         self.traces: object = None
         """The rule's traces (of the type its ``init`` returns; with `vmap`, with a
         leading batch axis)."""
+        self.synthesiser: SyntheticGradient | None = None
+        """`DNI`'s synthetic-gradient model, trained by every `etrace_grad` call and
+        carried to the next (`None` until the first call, and for other rules)."""
         self._start(batch_size)
 
     def _start(self, batch_size: int | None) -> None:
@@ -312,7 +317,7 @@ class OnlineLearner:
         new learner instead). With `vmap`, any batch size works.
         """
         self._check_bound()
-        size = self.batch_size if batch_size is None else batch_size
+        size = self._compiled_batch if batch_size is None else batch_size
         if self.vmap and not (isinstance(size, int) and size >= 1):
             raise ValueError(f"a vmap learner needs a batch size of at least 1, got {size!r}")
         refs = dict(
@@ -320,7 +325,7 @@ class OnlineLearner:
         )
         before = {p: refs[p].value for p in self._initial_hidden}
         brainstate.nn.reset_all_states(self.model, batch_size=None if self.vmap else size)
-        if not self.vmap and size == self.batch_size:
+        if not self.vmap and size == self._compiled_batch:  # the initial values fit
             for path, initial in self._initial_hidden.items():
                 if refs[path].value is before[path]:  # no reset_state touched it
                     refs[path].value = initial
@@ -495,12 +500,14 @@ class OnlineLearner:
                 f"loss_output must be 'weighted', 'per_step' or 'total', got {loss_output!r}"
             )
         weighted_fn, weighted = self._weighted(fn, mask is None, reduction, has_aux)
-        seq_axes = (1, (1, None) if weighted else 1, None if modulators is None else 1)
+        seq_axes = (1, (1, None) if weighted else 1, None if modulators is None else 1, None)
         self._check_batch("xs", xs, 1)
         self._check_batch("targets", ys, 1)
 
+        synthesising = self.algorithm.synthetic_rate is not None
+
         def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
-            x, t, mods = seq
+            x, t, mods, synth = seq
             result = online_grad(
                 self.graph,
                 self._driver_rule,
@@ -511,18 +518,26 @@ class OnlineLearner:
                 weighted_fn,
                 window=window,
                 modulators=mods,
+                synthesiser=synth,
                 has_aux=weighted or has_aux,
             )
             pair = cast(tuple[Array, ArrayTree], result.loss_aux)  # the weighted loss's aux
             raw, aux = pair if weighted else (result.losses, result.loss_aux)
-            return result.state, result.traces, (result.grads, result.losses, raw, aux)
+            kept: Any = (aux, result.synthesiser) if synthesising else aux
+            return result.state, result.traces, (result.grads, result.losses, raw, kept)
 
         def program(
-            before: ModelState, traces: PyTree, xs: Any, ys: Any, mask: Any, modulators: PyTree
+            before: ModelState,
+            traces: PyTree,
+            xs: Any,
+            ys: Any,
+            mask: Any,
+            modulators: PyTree,
+            synth: SyntheticGradient | None,
         ) -> Any:
             targets = (ys, self._step_weights(xs, mask, reduction, before)) if weighted else ys
             state, traces, (grads, losses, raw, aux) = self._run(
-                run, before, traces, (xs, targets, modulators), seq_axes
+                run, before, traces, (xs, targets, modulators, synth), seq_axes
             )
             grads, losses, raw = self._over_batch((grads, losses, raw), "sum")
             aux = self._over_batch(aux, "time_first")
@@ -540,8 +555,10 @@ class OnlineLearner:
         )  # fmt: skip
         before = state_of(self.graph)
         moving, traces, grads, shown, aux, silent = self._program(key, program)(
-            before, self.traces, xs, ys, mask, modulators
+            before, self.traces, xs, ys, mask, modulators, self.synthesiser
         )
+        if synthesising:  # carried to the next call
+            aux, self.synthesiser = aux
         state = rejoin(before.params, moving)
         self._warn_if_silent(*(self._silence_host(before, state, grads) if on_host else silent))
         write_back(self.graph, state)
@@ -726,8 +743,9 @@ class OnlineLearner:
     def bptt_grad(
         self, xs: Any, ys: Any, loss_fn: LossFn, *, return_value: bool = False
     ) -> Grads | tuple[Grads, Array]:
-        """The exact BPTT gradient from the current state (hidden states are advanced;
-        with `vmap`, per sample and summed over the batch)."""
+        """The exact BPTT gradient from the current state (with `vmap`, per sample and
+        summed over the batch). The hidden states and the traces advance over `xs` as
+        in `etrace_evolve`, so a sequence can go on online after it."""
         loss_fn = keyed(loss_fn)  # an unhashable loss is keyed by identity
         self._check_bound()
         self._check_batch("xs", xs, 1)
@@ -735,15 +753,20 @@ class OnlineLearner:
 
         def run(st: ModelState, tr: PyTree, seq: PyTree) -> _Run:
             result = bptt_grad(self.graph, st, seq[0], seq[1], loss_fn)
+            # the traces move on too (the same steps, once more, without a gradient)
+            _, tr, _ = online_evolve(self.graph, self.algorithm, st, tr, seq[0])
             return result.state, tr, (result.grads, result.losses, result.losses, None)
 
-        def program(state: ModelState, xs: Any, ys: Any) -> Any:
-            state, _, (grads, losses, _, _) = self._run(run, state, None, (xs, ys), (1, 1))
-            return moving_parts(state), self._over_batch((grads, losses), "sum")
+        def program(state: ModelState, traces: PyTree, xs: Any, ys: Any) -> Any:
+            state, traces, (grads, losses, _, _) = self._run(run, state, traces, (xs, ys), (1, 1))
+            return moving_parts(state), traces, self._over_batch((grads, losses), "sum")
 
         before = state_of(self.graph)
-        moving, (grads, losses) = self._program(("bptt", loss_fn), program)(before, xs, ys)
+        moving, traces, (grads, losses) = self._program(("bptt", loss_fn), program)(
+            before, self.traces, xs, ys
+        )
         write_back(self.graph, rejoin(before.params, moving))
+        self.traces = traces
         return (grads, losses) if return_value else grads
 
     def save(self, path: str | pathlib.Path | BinaryIO, opt_state: PyTree = None) -> None:
@@ -863,6 +886,11 @@ def compile(
             raise ValueError(
                 f"vmap=True maps the model over a batch: pass batch_size=B (B ≥ 1), got "
                 f"{batch_size!r}"
+            )
+        if algo.synthetic_rate is not None:
+            raise ValueError(
+                f"{algo.name} trains one synthesiser from every call; with vmap=True each "
+                "sample would train its own. Compile a batched model (vmap=False) instead."
             )
         example_inputs = _first_sample(example_inputs, batch_size)
     if seed is not None:

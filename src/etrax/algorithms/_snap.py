@@ -26,8 +26,9 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .._errors import CompilationError
-from ..compiler import ETraceGraph
-from ..executor import ModelState, StepPoint, state_of
+from .._pathdict import PathDict
+from ..compiler import ETraceGraph, StateKind
+from ..executor import ModelState, StepPoint
 from ._plan import Slot
 
 __all__ = ["Neighbourhood", "neighbourhood", "snap_init", "snap_solve", "snap_update"]
@@ -66,13 +67,17 @@ def _random_point(graph: ETraceGraph, seed: int) -> StepPoint:
             return jnp.asarray(a)
         return jnp.asarray(rng.standard_normal(a.shape).astype(a.dtype))
 
-    live = state_of(graph)
-    state = ModelState(
-        jax.tree.map(draw, live.params),
-        jax.tree.map(draw, live.hidden),
-        jax.tree.map(draw, live.other),
-    )
-    mi = graph.module_info
+    def blank(shape: Any, dtype: Any) -> Any:
+        if jnp.issubdtype(dtype, jax.dtypes.extended):  # a typed PRNG key
+            return jnp.broadcast_to(jax.random.key(0, impl=dtype._impl), shape)
+        return draw(np.zeros(shape, dtype))
+
+    mi = graph.module_info  # the compiled shapes (one sample's under a vmap learner)
+    kinds: dict[StateKind, PathDict[Any]] = {k: PathDict() for k in StateKind}
+    for info in mi.states:
+        leaves = [blank(sh, dt) for sh, dt in zip(info.shapes, info.dtypes, strict=True)]
+        kinds[info.kind][info.path] = jax.tree.unflatten(info.treedef, leaves)
+    state = ModelState(kinds[StateKind.WEIGHT], kinds[StateKind.HIDDEN], kinds[StateKind.OTHER])
     leaves = [draw(np.zeros(shape, dtype)) for shape, dtype in mi.in_avals]
     return StepPoint(state, tuple(jax.tree.unflatten(mi.in_tree, leaves)))
 
