@@ -481,14 +481,19 @@ def test_differentiating_through_an_online_gradient_is_refused() -> None:
     def mse(y: Any, t: Any) -> Any:
         return jnp.sum((y - t) ** 2)
 
-    def meta(v: Any, rule: Any) -> Any:
-        g = etrax.online_grad(graph, rule, state, rule.init(graph, state), v, ts, mse).grads
+    def meta(v: Any, rule: Any, window: int | None = None) -> Any:
+        tr = rule.init(graph, state)
+        g = etrax.online_grad(graph, rule, state, tr, v, ts, mse, window=window).grads
         return sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(g))
 
-    for rule in (etrax.DRTRL(), etrax.PPProp(0.9, chunk_steps=1)):
-        meta(xs, rule)  # the value itself is fine
+    for rule, window in (
+        (etrax.DRTRL(), None),
+        (etrax.PPProp(0.9, chunk_steps=1), None),
+        (etrax.DRTRL(), 2),
+    ):
+        meta(xs, rule, window)  # the value itself is fine
         with pytest.raises(TypeError, match="bptt_grad"):
-            jax.grad(meta)(xs, rule)
+            jax.grad(meta)(xs, rule, window)
 
     def meta_bptt(v: Any) -> Any:
         g = etrax.bptt_grad(graph, state, v, ts, mse).grads

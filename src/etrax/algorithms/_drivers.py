@@ -755,6 +755,7 @@ def _online_impl(
         grads, aux = _window_impl(
             graph, loss_fn, window, algo, state, traces, xs, targets, synthesiser
         )
+        grads = not_differentiable(_ONLINE_NOT_DIFFERENTIABLE, grads, (state, xs, targets))
         return grads, _split_losses(aux, has_aux)
     weights = operand_values(graph, state.params)
     T = jax.tree.leaves(xs)[0].shape[0]
@@ -839,6 +840,8 @@ def _online_impl(
         )
         moving, traces, acc_eff, acc_pi, acc_sub = carry
     grads = _finish(graph, params, weights, add_eff(acc_eff, acc_sub, -1.0), acc_pi)
+    # values only: in the program, so an eager call pays nothing for the check
+    grads = not_differentiable(_ONLINE_NOT_DIFFERENTIABLE, grads, (state, xs, targets))
     aux = {"losses": losses, "state": moving, "traces": traces}  # the wrapper adds the weights
     return grads, _split_losses(aux, has_aux)
 
@@ -1106,8 +1109,8 @@ class _ByIdentity:
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
-    def __hash__(self) -> int:
-        return id(self.fn)
+    def __hash__(self) -> int:  # equal wrappers hold the same object, so share its type
+        return hash(type(self.fn))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _ByIdentity) and other.fn is self.fn
@@ -1258,7 +1261,6 @@ def online_grad(
         graph, loss_fn, win, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
     )
     aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
-    grads = not_differentiable(_ONLINE_NOT_DIFFERENTIABLE, grads, (state, xs, targets))
     return OnlineResult(grads, cast("OnlineAux[TraceT]", aux))
 
 
