@@ -566,3 +566,32 @@ def test_a_custom_vjp_surrogate_on_a_traced_path_is_refused_at_compile_time() ->
     model, x = build(VJPSpiking, 3, 4)
     with pytest.raises(etrax.NotSupportedError, match="custom_jvp"):
         etrax.compile_etrace_graph(model, x)
+
+
+class DetachedReset(LeakyLinear):
+    """A LIF whose reset subtracts this step's spike with its gradient stopped."""
+
+    def update(self, x: ArrayLike) -> Array:
+        v = 0.9 * self.h.value + self.fc(x)
+        s = etrax.nn.spike(v - 1.0, etrax.nn.ReluGrad())
+        self.h.value = v - jax.lax.stop_gradient(s)
+        return s
+
+
+def test_a_route_through_stop_gradient_is_no_partial_path() -> None:
+    """No derivative passes a `stop_gradient`, so the input weight's route through
+    the detached reset is not an untraced contribution: no `RELATION_PARTIAL_PATH`,
+    and D-RTRL equals BPTT over several steps (the model is diagonal)."""
+    model, x = build(DetachedReset, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert not graph.explain(kind=K.RELATION_PARTIAL_PATH)
+    state = etrax.state_of(graph).replace_hidden({("h",): jnp.array([0.9, 0.2, 1.5, 0.4])})
+    xs = jax.random.normal(jax.random.PRNGKey(3), (3, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (3, 4))
+    want = bptt_grads(model, state, xs, ts, _squared)
+    rule = etrax.DRTRL()
+    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+    for path in want:
+        pairs = zip(jax.tree.leaves(got.grads[path]), jax.tree.leaves(want[path]), strict=True)
+        for a, b in pairs:
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

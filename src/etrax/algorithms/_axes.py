@@ -412,7 +412,8 @@ class Modulatory(Signal):
     (``online_grad(..., modulators=ms)``), never captured when tracing.
 
     A step's modulator is one array broadcastable to every group's ``(*varshape, S)``
-    (a scalar, a per-position array, …), or a tuple with one such array per hidden
+    (a scalar, or per position an array shaped ``(*varshape, 1)``: ``(B, H)`` does not
+    broadcast against ``(B, H, S)``), or a tuple with one such array per hidden
     group. The direct signal on old hidden values is not used.
     """
 

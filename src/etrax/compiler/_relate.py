@@ -514,11 +514,15 @@ def _tail(
 
 def _blocking(ctx: _Context, op: _Op, connected: set[Path]) -> list[int]:
     """Boundary equations downstream of y that lead to hidden state (into the
-    connected groups when there are any)."""
+    connected groups when there are any). A `stop_gradient` is not one: no derivative
+    passes it, so there is no contribution beyond it to learn."""
     an = ctx.an
     jaxpr = ctx.table.jaxpr
     blocking = sorted(
-        i for i in an.boundaries if any(an.derived_from(v, {op.src}) for v in jaxpr.eqns[i].invars)
+        i
+        for i in an.boundaries
+        if jaxpr.eqns[i].primitive.name != "stop_gradient"
+        and any(an.derived_from(v, {op.src}) for v in jaxpr.eqns[i].invars)
     )
     if connected:
         return [i for i in blocking if ctx.reached_hidden(i) & connected]
