@@ -423,15 +423,22 @@ def test_learner_params_with_a_wrong_key() -> None:
         learner.params = {("W",): jnp.zeros(3)}
 
 
-@pytest.mark.parametrize("key", [0, "k", jnp.zeros(3)], ids=["int", "str", "float_array"])
-def test_random_feedback_refuses_a_key_that_is_not_one(key: Any) -> None:
-    """`EProp(feedback="random", key=...)` checks its key when built, not deep in
-    the driver."""
+@pytest.mark.parametrize(
+    "key",
+    [0, "k", jnp.zeros(3), jax.random.split(jax.random.key(0), 2)],
+    ids=["int", "str", "float_array", "two_keys"],
+)
+def test_random_rules_refuse_a_key_that_is_not_one(key: Any) -> None:
+    """`EProp(feedback="random", key=...)` and `UORO(key)` check their key when
+    built, not deep in the driver."""
     # beartype/jaxtyping checks the signature in the tests; without it, the rule does
     with pytest.raises(TypeError, match=r"PRNG key|parameter 'key'"):
         etrax.EProp(feedback="random", key=key)
-    etrax.EProp(feedback="random", key=jax.random.key(0))
-    etrax.EProp(feedback="random", key=jax.random.PRNGKey(0))
+    with pytest.raises(TypeError, match=r"PRNG key|parameter 'key'"):
+        etrax.UORO(key)
+    for good in (jax.random.key(0), jax.random.PRNGKey(0)):
+        etrax.EProp(feedback="random", key=good)
+        etrax.UORO(good)
 
 
 @pytest.mark.parametrize("make", [etrax.DRTRL, etrax.EProp, etrax.PPProp])

@@ -1,6 +1,7 @@
 """Steps that draw random numbers: a typed PRNG key held in a model's state, and
 brainstate's global random state (noise injection, dropout in training mode)."""
 
+import pathlib
 from typing import Any
 
 import brainstate
@@ -99,3 +100,26 @@ def test_brainstate_global_random_state_is_carried_and_reported() -> None:
     np.testing.assert_allclose(
         _array(online[("W",)]), _array(exact[("W",)]), rtol=1e-12, atol=1e-14
     )
+
+
+def test_a_checkpoint_keeps_a_typed_key_state(tmp_path: pathlib.Path) -> None:
+    """A learner whose model keeps a typed PRNG key saves and resumes: the key is
+    stored as its key data and wrapped back, and the resumed run draws what the
+    saved one does."""
+
+    def learner() -> etrax.OnlineLearner:
+        return etrax.compile(OwnKey(), etrax.DRTRL(), jnp.zeros(3))
+
+    xs, ts = _data(3)
+    saved = learner()
+    saved.etrace_grad(xs, ts, _mse)
+    saved.save(tmp_path / "key.eqx")
+    resumed = learner()
+    resumed.load(tmp_path / "key.eqx")
+    key = etrax.state_of(resumed.graph).other[("key",)]
+    assert isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    want, got = saved.etrace_grad(xs, ts, _mse), resumed.etrace_grad(xs, ts, _mse)
+    np.testing.assert_array_equal(_array(got[("W",)]), _array(want[("W",)]))
+    fresh = learner()  # negative control: another key draws other noise
+    other = fresh.etrace_grad(xs, ts, _mse)
+    assert not np.array_equal(_array(other[("W",)]), _array(want[("W",)]))

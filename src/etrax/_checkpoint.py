@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._compat import is_prng_key
 from ._errors import StepInputError
 from .executor import ModelState
 
@@ -57,7 +58,7 @@ def save_checkpoint(
         raise TypeError(
             f"save_checkpoint needs an etrax.Checkpoint, got {type(checkpoint).__name__}"
         )
-    eqx.tree_serialise_leaves(path_or_file, checkpoint)
+    eqx.tree_serialise_leaves(path_or_file, checkpoint, filter_spec=_as_saved)
 
 
 def load_checkpoint(
@@ -88,15 +89,33 @@ def load_checkpoint(
     return loaded
 
 
-def _exactly_like(f: Any, x: Any) -> Any:
+def _as_saved(f: BinaryIO, x: Any) -> None:
+    """Write one leaf; a typed PRNG key (a random state of the model, a stochastic
+    rule's noise) as its raw key data, which NumPy can store."""
+    if is_prng_key(x):
+        np.save(f, np.asarray(jax.random.key_data(x)))
+    else:
+        eqx.default_serialise_filter_spec(f, x)
+
+
+def _exactly_like(f: BinaryIO, x: Any) -> Any:
     """Read one leaf, refusing a saved array whose shape or dtype is not the
-    template's (JAX would otherwise cast a float64 array to float32 silently)."""
+    template's (JAX would otherwise cast a float64 array to float32 silently); a
+    typed PRNG key is wrapped back with the template's implementation."""
+    if is_prng_key(x):
+        data = jax.random.key_data(x)
+        value = _read(f, data.shape, data.dtype, f"a PRNG key of shape {x.shape}")
+        return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(x))
     if isinstance(x, jax.Array) and not jnp.issubdtype(x.dtype, jax.dtypes.extended):
-        value = np.load(f)
-        if value.shape != x.shape or value.dtype != np.dtype(x.dtype):
-            raise ValueError(
-                f"a saved array of shape {value.shape} and dtype {value.dtype} where the "
-                f"template has shape {x.shape} and dtype {x.dtype}"
-            )
-        return jnp.asarray(value)
+        return jnp.asarray(_read(f, x.shape, x.dtype, f"shape {x.shape} and dtype {x.dtype}"))
     return eqx.default_deserialise_filter_spec(f, x)
+
+
+def _read(f: BinaryIO, shape: tuple[int, ...], dtype: Any, template: str) -> np.ndarray:
+    value: np.ndarray = np.load(f)
+    if value.shape != shape or value.dtype != np.dtype(dtype):
+        raise ValueError(
+            f"a saved array of shape {value.shape} and dtype {value.dtype} where the "
+            f"template has {template}"
+        )
+    return value

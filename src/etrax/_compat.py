@@ -11,6 +11,7 @@ from typing import Any, SupportsIndex
 
 import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching, mlir
 
@@ -341,12 +342,20 @@ _NUMPY_RULES: dict[str, Callable[..., np.ndarray | None]] = {
 
 def constant_outputs(fn: Callable[..., Any], *args: Any) -> Any | None:
     """``fn(*args)`` without compiling anything, when every output of `fn` is a
-    constant built from literals by broadcasts, casts and reshapes only (initial zero
-    traces): the values are made with numpy and placed on the default device. `None`
-    when any output depends on the arguments, on a random key or on another primitive
+    constant built from literals and closed-over arrays by broadcasts, casts and
+    reshapes only (initial zero traces, a rule's PRNG key): the values are made with
+    numpy and placed on the default device (a typed PRNG key as its key data, wrapped
+    back). `None` when any output depends on the arguments or on another primitive
     (then run `fn` under `jax.jit`). Saves one XLA compilation per learner."""
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     known: dict[Any, np.ndarray] = {}
+    impls: dict[Any, Any] = {}  # the PRNG implementation of each known typed key
+    for var, const in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+        if is_prng_key(const):
+            known[var] = np.asarray(jax.random.key_data(const))
+            impls[var] = jax.random.key_impl(const)
+        elif isinstance(const, (np.ndarray, jax.Array)):
+            known[var] = np.asarray(const)
 
     def value(atom: Any) -> np.ndarray | None:
         if isinstance(atom, jex.Literal):
@@ -358,16 +367,50 @@ def constant_outputs(fn: Callable[..., Any], *args: Any) -> Any | None:
         ins = [value(v) for v in eqn.invars]
         if rule is None or len(eqn.outvars) != 1 or any(i is None for i in ins):
             continue
-        out = rule(*ins, **eqn.params)
+        impl = next(
+            (impls[v] for v in eqn.invars if not isinstance(v, jex.Literal) and v in impls), None
+        )
+        params = eqn.params
+        if impl is not None:  # key data: the key's own axes trail the array's
+            if eqn.primitive.name != "broadcast_in_dim":
+                continue
+            key_data = ins[0]
+            assert key_data is not None
+            trailing = key_data.shape[len(eqn.invars[0].aval.shape) :]
+            dims = (
+                *params["broadcast_dimensions"],
+                *range(len(params["shape"]), len(params["shape"]) + len(trailing)),
+            )
+            params = {
+                **params,
+                "shape": (*params["shape"], *trailing),
+                "broadcast_dimensions": dims,
+            }
+        out = rule(*ins, **params)
         if out is not None:
             known[eqn.outvars[0]] = out
+            if impl is not None:
+                impls[eqn.outvars[0]] = impl
     leaves = []
     for atom in closed.jaxpr.outvars:
         val = value(atom)
-        if val is None or atom.aval.weak_type or val.shape != atom.aval.shape:
+        if val is None or getattr(atom.aval, "weak_type", False):
             return None
-        leaves.append(jax.device_put(np.array(val, dtype=atom.aval.dtype)))
+        if not isinstance(atom, jex.Literal) and atom in impls:
+            key = jax.random.wrap_key_data(jax.device_put(val), impl=impls[atom])
+            if key.shape != atom.aval.shape:
+                return None
+            leaves.append(key)
+        elif val.shape != atom.aval.shape:
+            return None
+        else:
+            leaves.append(jax.device_put(np.array(val, dtype=atom.aval.dtype)))
     return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
+
+def is_prng_key(x: Any) -> bool:
+    """Whether `x` is an array of typed PRNG keys (``jax.random.key``)."""
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -29,6 +29,20 @@ from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._snap import gather_transition, neighbourhood
 
+
+def check_key(owner: str, key: object) -> None:
+    """A `TypeError` unless `key` is one PRNG key: typed (``jax.random.key``) or raw
+    (``jax.random.PRNGKey``'s ``uint32[2]``, or ``[4]`` for the ``rbg`` implementation);
+    the field is annotated, but only checked at run time in the tests."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.extended)
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape in ((2,), (4,))
+    if not ((typed and isinstance(key, jax.Array) and key.shape == ()) or raw):
+        raise TypeError(
+            f"{owner}: key must be one PRNG key such as jax.random.key(0), got "
+            f"{type(key).__name__} {key!r}"
+        )
+
+
 __all__ = [
     "Bootstrapped",
     "Coupled",
@@ -343,14 +357,7 @@ class RandomFeedback(Signal):
     def __check_init__(self) -> None:
         if not self.scale > 0:
             raise ValueError(f"RandomFeedback: scale must be a positive float, got {self.scale!r}")
-        key: object = self.key  # annotated, but only checked at run time in the tests
-        typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.extended)
-        raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape[-1:] == (2,)
-        if not (typed or raw):
-            raise TypeError(
-                "RandomFeedback: key must be a PRNG key such as jax.random.key(0), got "
-                f"{type(key).__name__} {key!r}"
-            )
+        check_key("RandomFeedback", self.key)
 
     @property
     def needs_modulator(self) -> bool:

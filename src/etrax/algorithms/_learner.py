@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from .._compat import constant_outputs, is_tracer
+from .._compat import constant_outputs, is_prng_key, is_tracer
 from .._errors import SilentNetworkWarning, StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
@@ -161,7 +161,7 @@ class OnlineLearner:
                     value = ref.value if shapes == info.shapes else initial[info.path]
                     ref.value = _broadcast(value, batch_size)
         self.batch_size = batch_size
-        self.traces = None  # the old traces may have another batch size
+        previous, self.traces = self.traces, None  # the old may have another batch size
 
         def init(st: ModelState, tr: PyTree, _: PyTree) -> tuple[ModelState, PyTree, PyTree]:
             return st, self.algorithm.init(self.graph, st), None
@@ -171,7 +171,8 @@ class OnlineLearner:
 
         state = state_of(self.graph)
         folded = constant_outputs(program, state)  # zero traces: no XLA program needed
-        self.traces = self._program(("init",), program)(state) if folded is None else folded
+        traces = self._program(("init",), program)(state) if folded is None else folded
+        self.traces = fresh_streams(traces, previous, per_sample=self.vmap)
 
     def _program(self, key: Hashable, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` under `jax.jit`, built once per `key`, so that every call of a method
@@ -823,6 +824,35 @@ def _leafwise(tree: PyTree, f: Callable[[ModuleType, Any], Any]) -> PyTree:
         return jax.device_put(np.array(f(np, np.asarray(a))))
 
     return jax.tree.map(one, tree)
+
+
+def fresh_streams(traces: PyTree, previous: PyTree, *, per_sample: bool) -> PyTree:
+    """`traces` with every typed PRNG key in them (the noise of a stochastic rule such
+    as `UORO`) made its own stream. After earlier traces (`previous`: a ``reset``), each
+    key is derived from the one it replaces, so no sequence repeats an earlier one's
+    noise, and a run resumed from a checkpoint draws what the saved run would have;
+    the first traces keep the rule's key, as ``algorithm.init`` gives it. With
+    `per_sample` (``vmap=True``, where ``init`` gave every sample the same key), the
+    key is then split into one per sample along the leading axis."""
+    old = iter([leaf for leaf in jax.tree.leaves(previous) if is_prng_key(leaf)])
+
+    def fresh(leaf: Any) -> Any:
+        if not is_prng_key(leaf):
+            return leaf
+        base = leaf if leaf.ndim == 0 else leaf[0]
+        before = next(old, None)
+        if before is not None:
+            first = before if before.ndim == 0 else before[0]
+            base = jax.random.fold_in(first, _NEXT_SEQUENCE)
+        if not (per_sample and leaf.ndim):
+            return base
+        return jax.random.split(base, len(leaf))
+
+    return jax.tree.map(fresh, traces)
+
+
+_NEXT_SEQUENCE = 0x5E9
+"""What a key is folded with to give the next sequence's (see `fresh_streams`)."""
 
 
 def _broadcast(tree: PyTree, size: int) -> PyTree:

@@ -25,7 +25,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
-from ._axes import Coupled, NoFilter
+from ._axes import Coupled, NoFilter, check_key
 from ._base import EffGrads, Weights, add_into, scan_chunk
 from ._kernels import instant_contribution
 from ._plan import plan_of
@@ -48,6 +48,9 @@ class ProjectionTraces(eqx.Module):
     - `x`, `df`: the last step's op inputs (per relation) and ``∂h/∂y`` (per slot), for
       its exact instantaneous term.
     - `count`: steps taken (the noise of step ``n`` is drawn from ``fold_in(key, n)``).
+    - `key`: the typed PRNG key of this stream of noise (the rule's `key` from ``init``;
+      `etrax.compile`'s learner gives every sample and every sequence after a
+      ``reset`` its own).
     """
 
     s: tuple[Array, ...]
@@ -57,6 +60,7 @@ class ProjectionTraces(eqx.Module):
     x: tuple[Array | None, ...]
     df: tuple[Array, ...]
     count: Int[Array, ""]
+    key: PRNGKeyArray
 
 
 def _norm(tree: Any) -> Array:
@@ -75,6 +79,9 @@ class RandomProjection(TraceFactorisation[ProjectionTraces]):
     """
 
     key: PRNGKeyArray
+
+    def __check_init__(self) -> None:
+        check_key("UORO", self.key)
 
     @property
     def label(self) -> str:
@@ -105,7 +112,10 @@ class RandomProjection(TraceFactorisation[ProjectionTraces]):
         theta = tuple({k: jnp.zeros(sl.eff_shapes[k], dtype) for k in sl.keys} for sl in plan.slots)
         xs = tuple(None if st is None else jnp.zeros(st.shape, dtype) for st in plan.x_structs)
         df = tuple(jnp.zeros((*sl.varshape, sl.num_state), dtype) for sl in plan.slots)
-        return ProjectionTraces(s, theta, s, theta, xs, df, jnp.zeros((), jnp.int32))
+        key = self.key
+        if not jnp.issubdtype(key.dtype, jax.dtypes.extended):
+            key = jax.random.wrap_key_data(key)  # typed, so that key leaves can be found
+        return ProjectionTraces(s, theta, s, theta, xs, df, jnp.zeros((), jnp.int32), key)
 
     def update(
         self, graph: ETraceGraph, traces: ProjectionTraces, jac: StepJacobians,
@@ -114,7 +124,7 @@ class RandomProjection(TraceFactorisation[ProjectionTraces]):
         if jac.point is None:
             raise ValueError("UORO needs StepJacobians.point (the drivers attach it)")
         plan = plan_of(graph)
-        step_key = jax.random.fold_in(self.key, traces.count)
+        step_key = jax.random.fold_in(traces.key, traces.count)
         new_s: list[Array] = []
         carried: list[Array] = []
         new_theta: list[dict[str, Array]] = [{} for _ in plan.slots]
@@ -144,7 +154,7 @@ class RandomProjection(TraceFactorisation[ProjectionTraces]):
         df = tuple(jac.df[sl.relation][sl.tail] for sl in plan.slots)
         return ProjectionTraces(
             tuple(new_s), tuple(new_theta), tuple(carried), traces.theta, jac.x, df,
-            traces.count + 1,
+            traces.count + 1, traces.key,
         )  # fmt: skip
 
     def eff_grads(

@@ -163,7 +163,7 @@ def _check_leaves(
         )
     for k, (leaf, shape, dtype) in enumerate(zip(leaves, shapes, dtypes, strict=True)):
         leaf_shape, leaf_dtype = shape_dtype(leaf)
-        if leaf_shape != tuple(shape) or np.dtype(leaf_dtype) != np.dtype(dtype):
+        if leaf_shape != tuple(shape) or not same_dtype(leaf_dtype, dtype):
             at = f"{where}" if len(leaves) == 1 else f"{where} (leaf {k})"
             fix = (
                 "recompile for other shapes (e.g. another batch size)"
@@ -235,11 +235,22 @@ def _leaves_match(leaves: Sequence[Any], avals: Sequence[tuple[Any, Any]]) -> bo
     return True
 
 
-def shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    """A leaf's shape and dtype: arrays, `jax.ShapeDtypeStruct`s, tracers or scalars."""
+def same_dtype(a: Any, b: Any) -> bool:
+    """Whether two dtypes are the same (NumPy's, or typed PRNG keys' extended ones)."""
+    extended = [jnp.issubdtype(d, jax.dtypes.extended) for d in (a, b)]
+    if any(extended):
+        return all(extended) and bool(a == b)
+    return bool(np.dtype(a) == np.dtype(b))
+
+
+def shape_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
+    """A leaf's shape and dtype: arrays, `jax.ShapeDtypeStruct`s, tracers or scalars
+    (a NumPy dtype, or a typed PRNG key's extended dtype, which NumPy cannot name)."""
     shape = getattr(leaf, "shape", None)
     dtype = getattr(leaf, "dtype", None)
     if isinstance(shape, tuple) and dtype is not None:
+        if jnp.issubdtype(dtype, jax.dtypes.extended):
+            return shape, dtype
         return shape, np.dtype(dtype)
     return tuple(np.shape(leaf)), np.dtype(jnp.result_type(leaf))
 
