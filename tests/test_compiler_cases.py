@@ -514,6 +514,45 @@ def test_a_refractory_neuron_with_boolean_values_compiles_and_is_exact_at_t1() -
                 np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+class WithRaster(Refractory):
+    """The refractory neuron returning its boolean spike raster and spike count
+    beside the membrane readout (the loss reads all three)."""
+
+    def update(self, x: Any) -> Any:
+        v = super().update(x)
+        raster = self.V.value > 0.5
+        return v, raster, jnp.sum(raster)
+
+
+def _raster_loss(out: Any, t: Array) -> Array:
+    v, raster, count = out  # the counts weigh the loss but carry no gradient
+    return jnp.sum(jnp.where(raster, 2.0, 1.0) * (v - t) ** 2) / (1.0 + count.astype(v.dtype))
+
+
+def test_boolean_and_integer_outputs_are_read_not_differentiated() -> None:
+    """A step that also returns a boolean raster and an integer count: every rule
+    (random feedback included) runs and equals BPTT through the model at T = 1; the
+    non-float outputs take part in the loss but carry no cotangent."""
+    model = WithRaster()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.PRNGKey(3), (1, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (1, 4))
+    want = bptt_grads(model, state, xs, ts, _raster_loss)
+    exact: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for rule in exact:
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _raster_loss)
+        for path in want:
+            for a, b in zip(
+                jax.tree.leaves(got.grads[path]), jax.tree.leaves(want[path]), strict=True
+            ):
+                np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    random = etrax.EProp(0.5, feedback="random", key=jax.random.key(0))  # runs, not BPTT
+    got = etrax.online_grad(graph, random, state, random.init(graph, state), xs, ts, _raster_loss)
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(got.grads))
+
+
 class MixedDtypes(brainstate.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -281,7 +281,7 @@ def _step_grads(
         [eps[n] for n in live[1]],
         has_aux=True,
     )
-    loss_and_aux, cot = jax.value_and_grad(loss_fn, has_aux=True)(out, target)
+    loss_and_aux, cot, signal_cot = _output_cotangent(loss_fn, out, target)
     g_pert, g_old, g_live, g_eps = vjp_fn(cot)
     g_use = list(deltas)  # zero where the use is deferred
     for n, g in zip(live[0], g_live, strict=True):
@@ -309,7 +309,36 @@ def _step_grads(
     if with_point:  # the whole transition, for rules beyond the diagonal scope
         jac = StepJacobians(jac.x, jac.df, jac.D, StepPoint(state, as_args(graph, x)))
     new = next_state(graph, state, hidden, other)
-    return loss_and_aux, new, jac, signals, olds, list(g_use), cot, deferred
+    return loss_and_aux, new, jac, signals, olds, list(g_use), signal_cot, deferred
+
+
+def _output_cotangent(
+    loss_fn: Callable[[Any, Any], tuple[Array, Any]], out: PyTree, target: PyTree
+) -> tuple[tuple[Array, Any], PyTree, PyTree]:
+    """The step's ``(loss, aux)`` and ``∂L/∂y``: for the pullback (a boolean or
+    integer output, a spike raster or a count the loss may read, gets a `float0`
+    zero: nothing is differentiated through it), and for the learning signal (those
+    outputs left out, `None`)."""
+    leaves, treedef = jax.tree.flatten(out)
+    inexact = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in leaves]
+    if all(inexact):
+        value, cot = jax.value_and_grad(loss_fn, has_aux=True)(out, target)
+        return value, cot, cot
+
+    def on_floats(floats: list[Array]) -> tuple[Array, Any]:
+        given = iter(floats)
+        full = [next(given) if f else leaf for leaf, f in zip(leaves, inexact, strict=True)]
+        return loss_fn(jax.tree.unflatten(treedef, full), target)
+
+    floats = [leaf for leaf, f in zip(leaves, inexact, strict=True) if f]
+    value, grads = jax.value_and_grad(on_floats, has_aux=True)(floats)
+    found = iter(grads)
+    cot = [
+        next(found) if f else np.zeros(np.shape(leaf), jax.dtypes.float0)
+        for leaf, f in zip(leaves, inexact, strict=True)
+    ]
+    signal = [g if f else None for g, f in zip(cot, inexact, strict=True)]
+    return value, jax.tree.unflatten(treedef, cot), jax.tree.unflatten(treedef, signal)
 
 
 class Deferred(NamedTuple):
