@@ -524,7 +524,7 @@ class WithRaster(Refractory):
         return v, raster, jnp.sum(raster)
 
 
-def _raster_loss(out: Any, t: Array) -> Array:
+def _raster_loss(out: tuple[Array, Array, Array], t: Array) -> Array:
     v, raster, count = out  # the counts weigh the loss but carry no gradient
     return jnp.sum(jnp.where(raster, 2.0, 1.0) * (v - t) ** 2) / (1.0 + count.astype(v.dtype))
 
