@@ -634,3 +634,87 @@ def test_a_route_through_stop_gradient_is_no_partial_path() -> None:
         pairs = zip(jax.tree.leaves(got.grads[path]), jax.tree.leaves(want[path]), strict=True)
         for a, b in pairs:
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+class Pipelined(brainstate.nn.Module):
+    """Two leaky layers where the second reads the first's values of the step before
+    (``delayed=False``) or, through a two-slot buffer in a short-term state, of two
+    steps before (``delayed=True``); the readout sees the second layer only."""
+
+    def __init__(self, delayed: bool) -> None:
+        super().__init__()
+        self.delayed = delayed
+        key = jax.random.PRNGKey(1)
+        self.w1 = brainstate.ParamState(0.6 * jax.random.normal(key, (3, 5)))
+        self.w2 = brainstate.ParamState(0.6 * jax.random.normal(jax.random.fold_in(key, 1), (5, 4)))
+        self.ro = brainstate.ParamState(0.6 * jax.random.normal(jax.random.fold_in(key, 2), (4, 2)))
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.v1 = brainstate.HiddenState(jnp.full(5, 0.6))
+        self.v2 = brainstate.HiddenState(jnp.full(4, 0.6))
+        self.buffer = brainstate.ShortTermState(jnp.zeros((2, 5)))
+
+    def update(self, x: Array) -> Array:
+        v1 = 0.9 * self.v1.value + jnp.tanh(x @ self.w1.value)
+        if self.delayed:
+            old = self.buffer.value[0]
+            self.buffer.value = jnp.stack([self.buffer.value[1], jnp.tanh(v1)])
+        else:
+            old = jnp.tanh(self.v1.value)
+        v2 = 0.9 * self.v2.value + old @ self.w2.value
+        self.v1.value, self.v2.value = v1, v2
+        out: Array = v2 @ self.ro.value
+        return out
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["next_step", "delay_buffer"])
+def test_a_group_read_only_in_later_steps_is_reported(delayed: bool) -> None:
+    """A group whose values reach the outputs only in later steps has no learning
+    signal: the compiler warns (naming its weights) and the report marks them; online
+    they get exactly zero, and a window as long as the sequence, as the warning
+    advises, gives BPTT through the model's own update."""
+    model = Pipelined(delayed)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    (rec,) = graph.explain(kind=K.HIDDEN_GROUP_NOT_READ)
+    assert rec.level is etrax.DiagnosticLevel.WARNING and rec.weight_path == ("w1",)
+    assert rec.hidden_paths == (("v1",),) and "window=k" in rec.message
+    assert "no learning signal" in graph.report().to_str()
+    state = etrax.state_of(graph)
+    T = 4
+    xs = jax.random.normal(jax.random.PRNGKey(3), (T, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (T, 2))
+    rule = etrax.DRTRL()
+    online = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+    assert not np.any(np.asarray(online.grads[("w1",)]))
+    windowed = etrax.online_grad(
+        graph, rule, state, rule.init(graph, state), xs, ts, _squared, window=T
+    )
+    want = bptt_grads(model, state, xs, ts, _squared)
+    assert np.any(np.asarray(want[("w1",)]))
+    for path in want:
+        np.testing.assert_allclose(
+            np.asarray(windowed.grads[path]), np.asarray(want[path]), rtol=1e-10, atol=1e-12
+        )
+
+
+def test_groups_read_in_their_step_or_the_next_are_not_reported() -> None:
+    """No false alarm: every catalogue model, a readout of the old values (the direct
+    route) and a stack whose second layer reads the first's new values."""
+    from .models import CATALOGUE
+
+    for case in CATALOGUE:
+        model, x = case.make()
+        graph = etrax.compile_etrace_graph(model, x)
+        assert not graph.explain(kind=K.HIDDEN_GROUP_NOT_READ), case.name
+
+    class ReadBefore(Pipelined):
+        def update(self, x: Array) -> Array:
+            out: Array = jnp.tanh(self.v1.value) @ self.w2.value @ self.ro.value
+            self.v1.value = 0.9 * self.v1.value + jnp.tanh(x @ self.w1.value)
+            return out
+
+    model = ReadBefore(False)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert not graph.explain(kind=K.HIDDEN_GROUP_NOT_READ)

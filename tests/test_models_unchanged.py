@@ -272,6 +272,49 @@ def test_conv_lif_readout_trains_without_etrax_ops() -> None:
     _close(got[("conv", "weight")], full[("conv", "weight")], 1e-8)
 
 
+class OneSampleConv(brainstate.nn.Module):
+    """A leaky layer fed by a 1-D convolution of one sample ``(length, channels)``:
+    brainstate's `Conv1d` (which wraps its op in a batch axis of 1) or etrax's."""
+
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        brainstate.random.seed(3)
+        self.c = etrax.nn.Conv1d(2, 3, 3) if own else brainstate.nn.Conv1d((6, 2), 3, 3)
+        self.out = brainstate.nn.Linear(18, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        lead = () if batch_size is None else (batch_size,)
+        self.h = brainstate.HiddenState(jnp.zeros((*lead, 6, 3)))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.8 * self.h.value + jnp.tanh(self.c(x))
+        self.h.value = h
+        y: Array = self.out(h.reshape(*h.shape[:-2], 18))
+        return y
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["brainstate", "etrax"])
+def test_a_one_sample_convolution_is_traced(own: bool) -> None:
+    """Per sample, the convolution's output has a batch axis of 1 the hidden state
+    lacks: it is traced all the same, exactly (element-wise recurrence) over the
+    sequence, and a vmap learner of the per-sample model equals the batched one."""
+    model = OneSampleConv(own)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((6, 2)))
+    assert graph.weight_rules()[("c", "weight")].rule is etrax.WeightRule.TRACED
+    xs, ys = _sequence((6, 2), (2,), T, seed=4)
+    state = etrax.state_of(graph)
+    full = bptt_grads(model, state, xs, ys, sq)
+    for rule in (etrax.DRTRL(), etrax.EProp(0.0)):
+        got = _online(graph, rule, xs, ys)
+        _close(got[("c", "weight")], full[("c", "weight")], 1e-9)
+    B = 2
+    xb, yb = _sequence((B, 6, 2), (B, 2), T, seed=5)
+    mapped = etrax.compile(OneSampleConv(own), etrax.DRTRL(), xb[0], batch_size=B, vmap=True)
+    batched = etrax.compile(OneSampleConv(own), etrax.DRTRL(), xb[0], batch_size=B)
+    _close(dict(mapped.etrace_grad(xb, yb, sq)), dict(batched.etrace_grad(xb, yb, sq)), 1e-9)
+
+
 # ----- fused gates ----------------------------------------------------------------------
 
 
@@ -567,6 +610,28 @@ def test_a_model_with_units_trains_and_gradients_carry_units() -> None:
     # and a training step keeps the units
     new_w = state.params[("l1", "w")] - 0.1 * grads[("l1", "w")]
     assert u.get_unit(new_w) == u.nS
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [etrax.OSTLRecurrent(), etrax.SnAp(2), etrax.UORO(jax.random.key(0)), etrax.DRTRL()],
+    ids=lambda r: r.name,
+)
+def test_rules_of_the_whole_transition_and_windows_run_with_units(
+    rule: etrax.OnlineAlgorithm[Any],
+) -> None:
+    """Hidden states with units: the rules that follow the whole transition (its
+    slabs are unit-free, the states keep their units) equal BPTT at T = 1, and a
+    window as long as the sequence equals BPTT over it."""
+    model = TwoLayerUnits()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    state = etrax.state_of(graph)
+    xs, ys = _sequence((3,), (2,), T, seed=8)
+    xs = 3.0 * jnp.abs(xs)
+    _close(dict(_online(graph, rule, xs[:1], ys[:1])), bptt_grads(model, state, xs[:1], ys[:1], sq))
+    whole = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ys, sq, window=T)
+    _close(dict(whole.grads), bptt_grads(model, state, xs, ys, sq), 1e-9)
 
 
 # ----- user position rules -------------------------------------------------------------

@@ -346,7 +346,7 @@ def test_linked_groups_are_reported() -> None:
 
 
 def test_the_report_lists_unused_weights_apart() -> None:
-    """A ParamState the step never reads is listed as unused (zero gradient), not
+    """A ParamState the step never reads is listed as unused (nothing to learn), not
     among the weights that learn from their instantaneous gradient."""
 
     class WithUnused(brainstate.nn.Module):

@@ -48,6 +48,7 @@ class DiagnosticKind(enum.StrEnum):
     RECURRENT_CONSTANT_PRODUCT = "recurrent_constant_product"
     GROUP_VARSHAPE_CONFLICT = "group_varshape_conflict"
     HIDDEN_STATE_NOT_FLOAT = "hidden_state_not_float"
+    HIDDEN_GROUP_NOT_READ = "hidden_group_not_read"
     # states and structure
     STATE_MISMATCH = "state_mismatch"
     DYNAMIC_STATE = "dynamic_state"

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import brainunit as u
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -96,17 +97,22 @@ class HiddenGroup(eqx.Module):
     def transition_jaxpr(self) -> Any:
         return self.transition.jaxpr
 
-    def concat_hidden(self, values: Sequence[Array]) -> Float[Array, "*varshape S"]:
-        """Stack member values into the group slab ``(*varshape, S)``."""
+    def concat_hidden(self, values: Sequence[Any]) -> Float[Array, "*varshape S"]:
+        """Stack member values (arrays, or `brainunit` quantities: their mantissas)
+        into the group slab ``(*varshape, S)``."""
         if len(values) != len(self.hidden_paths):
             raise ValueError(
                 f"group {self.index} has {len(self.hidden_paths)} members, got {len(values)} values"
             )
-        parts = [v if st else v[..., None] for v, st in zip(values, self.stacked, strict=True)]
+        raw = [u.get_mantissa(v) for v in values]  # a slab has no units (the step's own)
+        parts = [v if st else v[..., None] for v, st in zip(raw, self.stacked, strict=True)]
         return jnp.concatenate(parts, axis=-1)
 
-    def split_hidden(self, slab: Float[Array, "*varshape S"]) -> list[Array]:
-        """Split a slab ``(*varshape, S)`` back into member values."""
+    def split_hidden(
+        self, slab: Float[Array, "*varshape S"], like: Sequence[Any] | None = None
+    ) -> list[Any]:
+        """Split a slab ``(*varshape, S)`` back into member values (with the units of
+        the values `like`, when given: `brainunit` quantities)."""
         if slab.shape[-1] != self.num_state:
             raise ValueError(
                 f"group {self.index} expects a trailing axis of {self.num_state}, got {slab.shape}"
@@ -117,6 +123,11 @@ class HiddenGroup(eqx.Module):
             piece = slab[..., start : start + k]
             out.append(piece if st else piece[..., 0])
             start += k
+        if like is not None:
+            out = [
+                u.Quantity(v, unit=u.get_unit(ref)) if isinstance(ref, u.Quantity) else v
+                for v, ref in zip(out, like, strict=True)
+            ]
         return out
 
     def transition_fn(self, consts: Sequence[Array]) -> Any:

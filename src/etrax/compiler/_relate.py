@@ -461,7 +461,10 @@ def _tail(
     V = g.varshape
     offset = len(V) - len(op.y_shape)
     member_paths = tuple(p for p, _ in members)
-    if offset < 0 or tuple(V[offset:]) != op.y_shape:
+    # y may also have leading axes of size 1 that the group lacks (an unbatched
+    # brainstate layer adds a batch axis of 1 around its op and drops it after)
+    squeezed = offset < 0 and set(op.y_shape[:-offset]) == {1} and op.y_shape[-offset:] == V
+    if not squeezed and (offset < 0 or tuple(V[offset:]) != op.y_shape):
         return None, record(
             DiagnosticKind.RELATION_EXCLUDED_SHAPE_MISMATCH,
             DiagnosticLevel.WARNING,
@@ -495,7 +498,7 @@ def _tail(
         consts=consts,
         is_diagonal=reason is None,
         mixing_reason=reason,
-        broadcast_ndim=offset,
+        broadcast_ndim=max(offset, 0),
     )
     if reason is None:
         return tail, None
@@ -703,6 +706,7 @@ def relate(grouped: GroupedModule) -> RelatedModule:
             relations.append(relation)
     uses = find_uses(minfo, ctx.table, status)
     records.extend(_plain_use_records(uses))
+    records.extend(_unread_group_records(ctx, groups, relations))
     return RelatedModule(
         module_info=minfo,
         hidden_groups=groups,
@@ -711,6 +715,80 @@ def relate(grouped: GroupedModule) -> RelatedModule:
         param_uses=uses,
         analyses=grouped.analyses,
     )
+
+
+def _differentiable_ancestors(ctx: _Context, outputs: Sequence[Var], stop: set[Var]) -> set[Var]:
+    """The float values whose derivative can reach `outputs` within the step: back
+    through every equation but ``stop_gradient`` and those with non-float results
+    (comparisons, integer arithmetic); a value in `stop` is reached but not passed."""
+    jaxpr = ctx.table.jaxpr
+    seen = set(outputs)
+    stack = list(outputs)
+    while stack:
+        v = stack.pop()
+        i = ctx.table.producer.get(v)
+        if i is None or v in stop:
+            continue
+        eqn = jaxpr.eqns[i]
+        if eqn.primitive.name == "stop_gradient":
+            continue
+        for a in eqn.invars:
+            if isinstance(a, Var) and a not in seen and _is_float(a):
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def _is_float(v: Var) -> bool:
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _unread_group_records(
+    ctx: _Context, groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOpRelation]
+) -> list[CompilationRecord]:
+    """A warning per hidden group with traced weights whose values reach the step's
+    outputs only in later steps (through another group's old values, a weight
+    between steps, or a carried state such as a delay buffer): neither its new values
+    nor its old ones (the direct route) reach this step's outputs, so its learning
+    signal is zero at every step and its traces never turn into gradient."""
+    jaxpr = ctx.table.jaxpr
+    outputs = [v for v in jaxpr.outvars[: ctx.minfo.num_var_out] if isinstance(v, Var)]
+    outputs = [v for v in outputs if _is_float(v)]
+    now = _differentiable_ancestors(ctx, outputs, set())
+    direct = _differentiable_ancestors(ctx, outputs, set(ctx.hidden_outvars))
+    out: list[CompilationRecord] = []
+    for g in groups:
+        traced = [r for r in relations if g.index in r.hidden_groups]
+        weights = tuple(dict.fromkeys(p for r in traced for p in r.weight_paths))
+        if not weights:
+            continue
+        states = [s for s in ctx.minfo.hidden_states if s.path in g.hidden_paths]
+        read_now = any(
+            s.outvars[0] is not None and ctx.table.var(s.outvars[0]) in now for s in states
+        )
+        read_before = any(ctx.table.var(s.invars[0]) in direct for s in states)
+        if read_now or read_before:
+            continue
+        out.append(
+            record(
+                DiagnosticKind.HIDDEN_GROUP_NOT_READ,
+                DiagnosticLevel.WARNING,
+                f"hidden group {g.index} ({list(g.hidden_paths)}) does not reach the step's "
+                "outputs in the step that computes it: its values reach them only in later "
+                "steps (through another group, a weight between steps, or a carried state "
+                "such as a delay buffer). Its learning signal dL_t/dh_t is zero at every "
+                f"step, so the online rules give the weights traced into it ({list(weights)}) "
+                "no gradient from their traces (only their instantaneous terms, if any). "
+                "Read the group's values in the step's outputs, or train with "
+                "online_grad(..., window=k) (exact over k steps) or BPTT.",
+                weight_path=weights[0],
+                hidden_paths=g.hidden_paths,
+                hidden_group_indices=(g.index,),
+                weight_paths=weights,
+            )
+        )
+    return out
 
 
 def _plain_use_records(uses: Sequence[ParamUse]) -> list[CompilationRecord]:

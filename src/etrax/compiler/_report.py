@@ -77,6 +77,10 @@ class CompilationReport:
             for i, p in enumerate(self.dynamic_states):
                 lines.append(f"   State {i}: {p}")
             lines.append("")
+        unread = {
+            i for r in g.explain(kind=DiagnosticKind.HIDDEN_GROUP_NOT_READ)
+            for i in dict(r.context).get("hidden_group_indices", ())
+        }  # fmt: skip
         if g.hidden_param_op_relations:
             lines.append("Weights traced online:")
             for rel in g.hidden_param_op_relations:
@@ -87,7 +91,12 @@ class CompilationReport:
                     else f"hidden groups {list(groups)}"
                 )
                 extra = ""
-                if rel.partial_path:
+                if set(groups) <= unread:
+                    extra = (
+                        "  (no learning signal: the group reaches the outputs only in later "
+                        "steps; see hidden_group_not_read)"
+                    )
+                elif rel.partial_path:
                     extra = "  (partial: an indirect path is not traced)"
                 elif any(not t.is_diagonal for t in rel.tails):
                     extra = "  (approximate: the path to the hidden state mixes positions)"
@@ -111,7 +120,10 @@ class CompilationReport:
                 lines.append(f"   Weight {i}: {path}{why}")
             lines.append("")
         if unused:
-            lines.append("Weights the step never reads (their gradient is zero):")
+            lines.append(
+                "Weights the step never reads (nothing to learn: not in the compiled state's "
+                "params, the gradients or learner.params):"
+            )
             lines.extend(f"   {path}" for path in rules if path in unused)
             lines.append("")
         lines.extend(self._parameter_lines())

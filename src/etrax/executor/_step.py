@@ -79,7 +79,8 @@ class StepPoint(eqx.Module):
 
         def new_slab(slab: Array) -> Array:
             hidden = dict(self.state.hidden)
-            hidden.update(zip(group.hidden_paths, group.split_hidden(slab), strict=True))
+            old = [hidden[p] for p in group.hidden_paths]
+            hidden.update(zip(group.hidden_paths, group.split_hidden(slab, old), strict=True))
             _, new = forward_pure(graph, self.state.replace_hidden(hidden), self.args)
             return group.concat_hidden([new.hidden[p] for p in group.hidden_paths])
 

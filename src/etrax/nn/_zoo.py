@@ -57,20 +57,22 @@ class _ConvNd(brainstate.nn.Module):
 
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
-        if x.ndim != self.spatial + 2:
+        unbatched = x.ndim == self.spatial + 1  # one sample: a batch axis of 1 around it
+        if not (unbatched or x.ndim == self.spatial + 2):
             raise ValueError(
-                f"{type(self).__name__} expects (batch, *spatial, channels) with "
-                f"{self.spatial} spatial axes, got {x.shape}; add a batch axis with x[None]"
+                f"{type(self).__name__} expects (batch, *spatial, channels) or "
+                f"(*spatial, channels) with {self.spatial} spatial axes, got {x.shape}"
             )
         p = self.weight.value
-        return conv(
-            x,
+        y = conv(
+            x[None] if unbatched else x,
             p["weight"],
             p.get("bias"),
             strides=self.stride,
             padding=self.padding,
             rhs_dilation=self.dilation,
         )
+        return y[0] if unbatched else y
 
 
 class Conv1d(_ConvNd):
@@ -91,8 +93,9 @@ class Conv1d(_ConvNd):
     - `w_init`: kernel initialiser (default Kaiming normal); `b_init`: bias
       initialiser (default zeros; `None` for no bias).
 
-    The input must be batched: ``update`` raises for an unbatched ``x`` (add the
-    axis with ``x[None]``). Parameters live in one ``ParamState`` ``weight`` holding
+    One sample ``(length, in_channels)`` is convolved as a batch of one (and the
+    axis dropped again), so per-sample models (``etrax.compile(..., vmap=True)``)
+    work too. Parameters live in one ``ParamState`` ``weight`` holding
     ``{'weight': kernel, 'bias': bias}``.
     """
 
