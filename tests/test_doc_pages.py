@@ -8,6 +8,10 @@ is a test setting, not what users run). Two kinds of block are not run:
   assumes (visible in the rendered page);
 - a block made only of ``--8<--`` snippet includes, whose source file is an
   example that its own test runs (listed in `INCLUDED`).
+
+A ``text`` block right after an ``<!-- output -->`` comment (invisible in the
+rendered page) is the output of the last Python block before it, and must be
+what that block prints (source paths shortened to ``.../etrax/``).
 """
 
 import contextlib
@@ -23,6 +27,15 @@ PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").
 INCLUDED = {"examples/custom_op.py": "tests/test_custom_op_tutorial.py"}
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 _SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::[^"]*)?"$')
+_OUTPUT = re.compile(r"^<!-- output -->\n```text\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_INSTALL = re.compile(r"\S*/etrax/")
+
+
+def _printed(text: str) -> str:
+    """Output as a page shows it: paths into the installation shortened, and no
+    trailing blanks at line ends or at the end."""
+    lines = [_INSTALL.sub(".../etrax/", line).rstrip() for line in text.splitlines()]
+    return "\n".join(lines).strip("\n")
 
 
 def _kind(code: str) -> str:
@@ -39,7 +52,10 @@ def _kind(code: str) -> str:
 def test_page_blocks_run(page: str) -> None:
     text = (ROOT / page).read_text()
     namespace = {"__name__": "__doc_block__"}
-    for k, match in enumerate(_BLOCK.finditer(text)):
+    shown = {m.start(): m.group(1) for m in _OUTPUT.finditer(text)}
+    blocks = list(_BLOCK.finditer(text))
+    checked = 0
+    for k, match in enumerate(blocks):
         code = match.group(1)
         kind = _kind(code)
         if kind == "fragment":
@@ -56,6 +72,12 @@ def test_page_blocks_run(page: str) -> None:
         with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
             exec(compile(code, f"{page}[block {k}]", "exec"), namespace)
         assert out.getvalue() or "print(" not in code, f"{page}[block {k}] printed nothing"
+        end = blocks[k + 1].start() if k + 1 < len(blocks) else len(text)
+        for at, expected in shown.items():
+            if match.end() <= at < end:
+                assert _printed(out.getvalue()) == _printed(expected), f"{page}[block {k}]"
+                checked += 1
+    assert checked == len(shown), f"{page}: an output block follows no Python block"
 
 
 def test_every_page_is_collected() -> None:

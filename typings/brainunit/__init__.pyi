@@ -1,4 +1,4 @@
-# Stub for brainunit: covers only the surface etrax's tests and docs use.
+# Stub for brainunit: covers only the surface etrax, its tests and docs use.
 
 from typing import Any
 
@@ -11,6 +11,7 @@ class Unit:
     def __rtruediv__(self, other: Any) -> Any: ...
 
 class Quantity:
+    def __init__(self, mantissa: Any, unit: Unit = ..., dtype: Any = ...) -> None: ...
     @property
     def unit(self) -> Unit: ...
     @property

@@ -117,7 +117,7 @@ class HiddenGroup(eqx.Module):
             raise ValueError(
                 f"group {self.index} expects a trailing axis of {self.num_state}, got {slab.shape}"
             )
-        out: list[Array] = []
+        out: list[Any] = []
         start = 0
         for k, st in zip(self.num_states, self.stacked, strict=True):
             piece = slab[..., start : start + k]
