@@ -510,3 +510,34 @@ def test_differentiating_through_an_online_gradient_is_refused() -> None:
     eps = 1e-6
     fd = (meta_bptt(xs + eps * d) - meta_bptt(xs - eps * d)) / (2 * eps)
     np.testing.assert_allclose(jnp.sum(jax.grad(meta_bptt)(xs) * d), fd, rtol=1e-6)
+
+
+def test_a_learner_inside_a_transformation_is_refused() -> None:
+    """`OnlineLearner` calls are eager (they read and write the model's states):
+    under `jax.jit`, `jax.grad`, `jax.vmap` or `brainstate.transform.jit` they raise
+    a `TypeError` that points to `etrax.online_grad`, and the learner still works."""
+    brainstate.environ.set(precision=32)
+    B, T = 2, 4
+    learner = etrax.compile(etrax.nn.GRUCell(3, 5), etrax.DRTRL(), jnp.zeros((B, 3)), batch_size=B)
+    xs, ys = jnp.ones((T, B, 3)), jnp.zeros((T, B, 5))
+
+    def loss(y: Array, t: Array) -> Array:
+        return jnp.mean((y - t) ** 2)
+
+    def grad_norm(x: Array) -> Array:
+        leaves = jax.tree.leaves(learner.etrace_grad(x, ys, loss))
+        return jnp.sum(jnp.stack([jnp.sum(g) for g in leaves]))
+
+    calls: list[Callable[[], object]] = [
+        lambda: jax.jit(grad_norm)(xs),
+        lambda: jax.grad(grad_norm)(xs),
+        lambda: jax.vmap(grad_norm)(xs[None]),
+        lambda: brainstate.transform.jit(lambda: learner.etrace_grad(xs, ys, loss))(),
+        lambda: jax.jit(lambda x: learner.etrace_evolve(x))(xs),
+        lambda: jax.jit(lambda x: learner.bptt_grad(x, ys, loss))(xs),
+        lambda: jax.jit(lambda p: setattr(learner, "params", p))(learner.params),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"runs eagerly.*etrax\.online_grad"):
+            call()
+    learner.etrace_grad(xs, ys, loss)  # untouched: still runs

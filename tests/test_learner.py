@@ -270,6 +270,50 @@ def test_reset_restores_states_no_reset_state_resets() -> None:
         assert rel(again[p], first[p]) == 0.0
 
 
+class Counting(brainstate.nn.Module):
+    """A leaky unit driven by a step counter (a short-term state the step writes)
+    and keeping a running mean of its input (a long-term state); no
+    ``reset_state``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        lead = () if batch_size is None else (batch_size,)
+        self.h = brainstate.HiddenState(jnp.zeros((*lead, 4)))
+        self.count = brainstate.ShortTermState(jnp.zeros((*lead, 1)))
+        self.mean = brainstate.LongTermState(jnp.zeros((*lead, 3)))
+
+    def update(self, x: Array) -> Array:
+        self.count.value = self.count.value + 1.0
+        self.mean.value = 0.9 * self.mean.value + 0.1 * x
+        self.h.value = 0.7 * self.h.value + jnp.tanh(self.fc(x)) + 0.1 * self.count.value
+        return self.h.value
+
+
+@pytest.mark.parametrize("vmap", [False, True], ids=["batched", "vmap"])
+def test_reset_restores_written_short_term_states(vmap: bool) -> None:
+    """`reset` returns a short-term state the step writes (a counter) to its start,
+    so a sequence after a reset gives its first gradient again, with and without
+    ``vmap``; without ``vmap`` a long-term state (a running mean) keeps its value."""
+    B, steps = 2, 5
+    xs = jax.random.normal(jax.random.key(0), (steps, B, 3))
+    ys = jnp.zeros((steps, B, 4))
+    brainstate.random.seed(0)
+    model = Counting()
+    learner = etrax.compile(model, etrax.DRTRL(), jnp.zeros((B, 3)), batch_size=B, vmap=vmap)
+    first = learner.etrace_grad(xs, ys, mse)
+    mean = np.asarray(model.mean.value)
+    learner.reset()
+    np.testing.assert_array_equal(np.asarray(model.count.value), 0.0)
+    if not vmap:
+        np.testing.assert_array_equal(np.asarray(model.mean.value), mean)
+    again = learner.etrace_grad(xs, ys, mse)
+    for p in first:
+        assert rel(again[p], first[p]) == 0.0
+
+
 class TwoLayerSpiking(brainstate.nn.Module):
     """``Linear → spiking → Linear → spiking`` with every default."""
 

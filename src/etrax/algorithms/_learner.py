@@ -251,6 +251,7 @@ class OnlineLearner:
 
     @params.setter
     def params(self, values: PyTree) -> None:
+        self._check_bound(values)
         refs = dict(
             zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
         )
@@ -265,10 +266,21 @@ class OnlineLearner:
         for path in expected:
             refs[path].value = values[path]
 
-    def _check_bound(self) -> None:
+    def _check_bound(self, *arrays: PyTree) -> None:
         """Raise a `StepInputError` if the model no longer holds the states the learner
         was compiled with: ``brainstate.nn.init_all_states`` after `etrax.compile`
-        creates new `State` objects, which the learner would neither read nor write."""
+        creates new `State` objects, which the learner would neither read nor write;
+        and a `TypeError` if the call is being traced (`arrays`, or the model's states
+        under ``brainstate.transform.jit``, are tracers)."""
+        probe = jax.tree.leaves(self._bound[0][1].value)[:1] if self._bound else []
+        if any(is_tracer(a) for a in [*jax.tree.leaves(arrays), *probe]):
+            raise TypeError(
+                "an OnlineLearner runs eagerly: it reads and writes the model's states and "
+                "keeps the traces between calls, so it cannot run inside jax.jit, jax.grad, "
+                "jax.vmap or brainstate.transform.jit (each call already runs one compiled "
+                "program). Call it outside the transformation, or use the pure "
+                "etrax.online_grad(graph, algorithm, state, traces, xs, ys, loss_fn) inside it."
+            )
         for path, ref in self._bound:
             try:
                 held = _at(self.model, path)
@@ -309,10 +321,12 @@ class OnlineLearner:
     def reset(self, batch_size: int | None = None) -> None:
         """Reset the model's hidden states and the traces (between sequences).
 
-        Each module's own ``reset_state`` runs (through brainstate); a hidden state
-        that no ``reset_state`` resets (one created in ``__init__`` or ``init_state``
-        of a module without ``reset_state``) is restored to its value when the learner
-        was built. `batch_size` defaults to the one given to `etrax.compile`. A graph
+        Each module's own ``reset_state`` runs (through brainstate); a hidden state,
+        or a short-term state the step writes (a step counter, a delay buffer), that no
+        ``reset_state`` resets (one created in ``__init__`` or ``init_state`` of a
+        module without ``reset_state``) is restored to its value when the learner was
+        built. Long-term states (running statistics) and random states keep their
+        values. `batch_size` defaults to the one given to `etrax.compile`. A graph
         compiled for a batched model is compiled for that batch size: resetting to
         another one makes the next `etrace_grad` raise a `StepInputError` (compile a
         new learner instead). With `vmap`, any batch size works.
@@ -324,10 +338,18 @@ class OnlineLearner:
         refs = dict(
             zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
         )
-        before = {p: refs[p].value for p in self._initial_hidden}
+        restorable = {
+            **self._initial_hidden,
+            **{
+                p: v
+                for p, v in self._initial_written.items()
+                if isinstance(refs[p], brainstate.ShortTermState)
+            },
+        }
+        before = {p: refs[p].value for p in restorable}
         brainstate.nn.reset_all_states(self.model, batch_size=None if self.vmap else size)
         if not self.vmap and size == self._compiled_batch:  # the initial values fit
-            for path, initial in self._initial_hidden.items():
+            for path, initial in restorable.items():
                 if refs[path].value is before[path]:  # no reset_state touched it
                     refs[path].value = initial
         self._start(size)
@@ -492,7 +514,7 @@ class OnlineLearner:
         if fn is None:
             raise TypeError("etrace_grad needs loss_fn(y_t, target_t) -> scalar")
         fn = keyed(fn)  # an unhashable loss is keyed by identity
-        self._check_bound()
+        self._check_bound(xs, ys, mask, modulators)
         for name, flag in (("has_aux", has_aux), ("return_value", return_value)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
@@ -687,7 +709,7 @@ class OnlineLearner:
         """Advance the model's hidden states and the traces over `xs` with no gradient
         (see `etrax.online_evolve`); returns the stacked outputs if asked (with `vmap`,
         ``(T, B, ...)``)."""
-        self._check_bound()
+        self._check_bound(xs)
         self._check_batch("xs", xs, 1)
 
         def run(st: ModelState, tr: PyTree, x: PyTree) -> tuple[ModelState, PyTree, PyTree]:
@@ -710,7 +732,7 @@ class OnlineLearner:
     def __call__(self, *x: Any) -> PyTree:
         """One step on input `x` (the model's ``update`` arguments): advances the hidden
         states and the traces, and returns the step's output."""
-        self._check_bound()
+        self._check_bound(x)
         one = x[0] if len(x) == 1 else x
         self._check_batch("x", one, 0)
 
@@ -748,7 +770,7 @@ class OnlineLearner:
         summed over the batch). The hidden states and the traces advance over `xs` as
         in `etrace_evolve`, so a sequence can go on online after it."""
         loss_fn = keyed(loss_fn)  # an unhashable loss is keyed by identity
-        self._check_bound()
+        self._check_bound(xs, ys)
         self._check_batch("xs", xs, 1)
         self._check_batch("targets", ys, 1)
 
