@@ -541,3 +541,35 @@ def test_a_learner_inside_a_transformation_is_refused() -> None:
         with pytest.raises(TypeError, match=r"runs eagerly.*etrax\.online_grad"):
             call()
     learner.etrace_grad(xs, ys, loss)  # untouched: still runs
+
+
+def test_lower_level_entry_points_check_their_inputs() -> None:
+    """`graph.call_hidden_perturb`, a `Pullback` and a rule's ``init`` refuse
+    mis-shaped or foreign inputs with typed errors (not JAX's)."""
+    brainstate.environ.set(precision=32)
+    B = 2
+    gru = etrax.nn.GRUCell(3, 4)
+    brainstate.nn.init_all_states(gru, batch_size=B)
+    graph = etrax.compile_etrace_graph(gru, jnp.zeros((B, 3)))
+    state = etrax.state_of(graph)
+    x = jnp.ones((B, 3))
+    with pytest.raises(etrax.StepInputError, match="perturbations of shapes"):
+        graph.call_hidden_perturb((x,), (jnp.zeros((B, 4, 1)),))
+    with pytest.raises(etrax.StepInputError, match="step inputs have shapes"):
+        graph.call_hidden_perturb((jnp.ones((B, 5)),), (jnp.zeros((B, 4)),))
+    graph.call_hidden_perturb((x,), (jnp.zeros((B, 4)),))  # the right shapes run
+    pullback = etrax.step_vjp(graph, state, x)[3]
+    with pytest.raises(etrax.StepInputError, match="y_cot"):
+        pullback(jnp.zeros((B, 7)))
+    with pytest.raises(etrax.StepInputError, match="hidden_cot has paths"):
+        pullback(jnp.zeros((B, 4)), {("c",): jnp.zeros((B, 4))})
+    with pytest.raises(etrax.StepInputError, match=r"hidden_cot\["):
+        pullback(jnp.zeros((B, 4)), {("h",): jnp.zeros((B, 5))})
+    pullback(jnp.zeros((B, 4)), {("h",): jnp.zeros((B, 4))})
+    rule = etrax.DRTRL()
+    # the common slip, on purpose (the tests' signature check or the rule's own)
+    with pytest.raises(TypeError, match=r"needs an etrax\.ETraceGraph|parameter 'graph'"):
+        rule.init(gru, state)  # type: ignore[arg-type]
+    no_hidden = etrax.ModelState(state.params, etrax.PathDict(), state.other)
+    with pytest.raises(etrax.StepInputError, match="missing"):
+        rule.init(graph, no_hidden)

@@ -19,7 +19,7 @@ from jaxtyping import Array
 
 from .._typing import PyTree
 from ..compiler import ETraceGraph
-from ..executor import ModelState, StepJacobians
+from ..executor import ModelState, StepJacobians, fast_check_state, require_graph
 from ._axes import (
     Diagonal,
     Filter,
@@ -241,6 +241,8 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         return compute if self.trace_dtype is None else jnp.dtype(self.trace_dtype)
 
     def init(self, graph: ETraceGraph, state: ModelState) -> TraceT:
+        require_graph(graph, f"{self.name}.init")
+        fast_check_state(graph, state)
         check_relations(graph, self.name)
         if self.factorisation.reads_transition:
             self.scope.check(graph)

@@ -5,7 +5,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, final
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
+from .._errors import StepInputError
 from .._frozen import FrozenDict
 from .._typing import Path, PyTree, VarId
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
@@ -226,8 +229,22 @@ class ETraceGraph(eqx.Module):
                 "this graph was compiled with include_hidden_perturb=False; recompile with "
                 "include_hidden_perturb=True to use call_hidden_perturb"
             )
-        flat = self.module_info.flatten_inputs(tuple(args), old_state_vals)
-        outs = self.hidden_perturb.eval_jaxpr(flat, perturb_data)
+        hp, mi = self.hidden_perturb, self.module_info
+        given = [tuple(jnp.shape(a)) for a in jax.tree.leaves(tuple(args))]
+        expected = [tuple(shape) for shape, _ in mi.in_avals]
+        if jax.tree.structure(tuple(args)) != mi.in_tree or given != expected:
+            raise StepInputError(
+                f"call_hidden_perturb: the step inputs have shapes {given}, expected "
+                f"{expected} (the graph's example inputs)"
+            )
+        shapes = [tuple(jnp.shape(d)) for d in perturb_data]
+        if shapes != [tuple(s) for s in hp.shapes]:
+            raise StepInputError(
+                f"call_hidden_perturb: perturbations of shapes {shapes}, expected one per hidden "
+                f"state {list(hp.perturb_hidden_paths)} shaped {[tuple(s) for s in hp.shapes]}"
+            )
+        flat = mi.flatten_inputs(tuple(args), old_state_vals)
+        outs = hp.eval_jaxpr(flat, perturb_data)
         return self.module_info.split_outputs(outs)
 
     def __repr__(self) -> str:

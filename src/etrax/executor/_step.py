@@ -139,6 +139,15 @@ class Pullback(eqx.Module):
         every new hidden value (zero for most models)."""
         hp = self.graph.hidden_perturb
         assert hp is not None
+        _check_cotangent("y_cot (the step output's cotangent)", y_cot, self.y)
+        if hidden_cot is not None:
+            paths = list(hp.perturb_hidden_paths)
+            if set(hidden_cot) != set(paths):
+                raise StepInputError(
+                    f"Pullback: hidden_cot has paths {list(hidden_cot)}, expected {paths}"
+                )
+            for p, h in zip(paths, self.hidden, strict=True):
+                _check_cotangent(f"hidden_cot[{p!r}]", hidden_cot[p], h)
         if hidden_cot is None:
             h_cots = [jnp.zeros_like(h) for h in self.hidden]
         else:
@@ -152,6 +161,21 @@ class Pullback(eqx.Module):
         return (
             tuple(hp.perturb_data_to_hidden_group_data(grads, groups)),
             tuple(hp.perturb_data_to_hidden_group_data(olds, groups)),
+        )
+
+
+def _check_cotangent(what: str, given: PyTree, like: PyTree) -> None:
+    """A `StepInputError` unless `given` has the structure and leaf shapes of `like`."""
+    g_leaves, g_def = jax.tree.flatten(given)
+    l_leaves, l_def = jax.tree.flatten(like)
+    expected: Any = l_def  # PyTreeDef's comparison is untyped
+    same = bool(expected == g_def)
+    g_shapes = [tuple(jnp.shape(a)) for a in g_leaves]
+    l_shapes = [tuple(jnp.shape(a)) for a in l_leaves]
+    if not same or g_shapes != l_shapes:
+        raise StepInputError(
+            f"Pullback: {what} has structure {g_def} and shapes {g_shapes}, expected {l_def} "
+            f"and shapes {l_shapes} (one cotangent per value, shaped like it)"
         )
 
 
