@@ -2,6 +2,7 @@
 D-RTRL / pp-prop / e-prop (three-factor, random feedback, scalar leak, no recursion,
 OSTL feed-forward, low-precision traces), each against an independent oracle."""
 
+import warnings
 from typing import Any
 
 import brainstate
@@ -423,6 +424,36 @@ class ChainRNN(brainstate.nn.Module):
 
 def _max_rel(got: dict[Path, Any], ref: dict[Path, Any]) -> float:
     return max(rel(got[p], ref[p]) for p in ref)
+
+
+class ReluRNN(brainstate.nn.Module):
+    """etrax's vanilla RNN cell with its default ReLU and a readout: each unit's
+    dependence on the others vanishes wherever it is off."""
+
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        brainstate.random.seed(0)
+        self.rnn = etrax.nn.VanillaRNNCell(3, 5, activation=activation)
+        self.out = etrax.nn.Linear(5, 2)
+
+    def update(self, x: ArrayLike) -> Array:
+        y: Array = self.out(self.rnn(x))
+        return y
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_snap_probes_a_relu_transition_at_enough_points(activation: str) -> None:
+    """ReLU units are off at about half of all points: the position graph is the union
+    over the probes (SnAp-2 equals BPTT), and a `ProbeWarning` says the pattern
+    depends on the point; a tanh cell (never flat) raises none."""
+    model, x = build(ReluRNN, activation, batch=2)
+    graph, state, xs, ts = problem(model, x, T=6)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        snap2 = online(etrax.SnAp(2), graph, state, xs, ts)
+    probes = [w for w in seen if issubclass(w.category, etrax.ProbeWarning)]
+    assert len(probes) == (activation == "relu")
+    assert _max_rel(snap2, bptt_grads(model, state, xs, ts, mse)) < TOL
 
 
 @pytest.mark.parametrize("batch", [None, 2])

@@ -102,3 +102,8 @@ class StepInputError(EtraxError, ValueError):
 class SilentNetworkWarning(UserWarning):
     """A learner saw a sequence over which a hidden group never changed, or after
     which every gradient was exactly zero (a silent spiking layer, a dead input)."""
+
+
+class ProbeWarning(UserWarning):
+    """A property read off a model numerically (`SnAp`'s position graph, probed at
+    random points) differs from point to point, so it may be incomplete."""

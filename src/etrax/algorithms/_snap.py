@@ -17,6 +17,7 @@ compact support) can be missed at all three points; the traces then drop it, as
 they drop every dependence outside the neighbourhood.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._errors import CompilationError
+from .._errors import CompilationError, ProbeWarning
 from .._pathdict import PathDict
 from ..compiler import ETraceGraph, StateKind
 from ..executor import ModelState, StepPoint
@@ -57,15 +58,16 @@ class Neighbourhood:
         return int(self.index.shape[1])
 
 
-def _random_point(graph: ETraceGraph, seed: int) -> StepPoint:
-    """A point with random float parameters, hidden values, other states and inputs."""
+def _random_point(graph: ETraceGraph, seed: int, scale: float = 1.0) -> StepPoint:
+    """A point with random float parameters, hidden values, other states and inputs
+    (normal, with standard deviation `scale`)."""
     rng = np.random.default_rng(seed)
 
     def draw(a: Any) -> Any:
         a = np.asarray(a)
         if not np.issubdtype(a.dtype, np.floating):
             return jnp.asarray(a)
-        return jnp.asarray(rng.standard_normal(a.shape).astype(a.dtype))
+        return jnp.asarray((scale * rng.standard_normal(a.shape)).astype(a.dtype))
 
     def blank(shape: Any, dtype: Any) -> Any:
         if jnp.issubdtype(dtype, jax.dtypes.extended):  # a typed PRNG key
@@ -94,11 +96,34 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
             "max_elements or use the coupled or diagonal scope"
         )
     found = np.zeros((P, P), dtype=bool)
+    varies = False  # whether the pattern depends on the point
     with jax.ensure_compile_time_eval():
-        for seed in range(3):  # an edge is a dependence at any of three random points
-            jac = np.asarray(_random_point(graph, seed).transition_jacobian(graph, index))
-            found |= np.abs(jac.reshape(P, S, P, S)).sum(axis=(1, 3)) > 0
+        small = np.zeros((P, P), dtype=bool)
+        for seed in range(PROBES):  # an edge is a dependence at any of the points
+            scale = _SCALES[seed % len(_SCALES)]
+            point = _random_point(graph, seed, scale)
+            jac = np.asarray(point.transition_jacobian(graph, index))
+            edges = np.abs(jac.reshape(P, S, P, S)).sum(axis=(1, 3)) > 0
+            found |= edges
+            if scale < 1.0:  # a wide point may saturate a tanh to an exact zero slope
+                varies |= seed > 0 and not np.array_equal(edges, small)
+                small |= edges
+    if varies:
+        warnings.warn(
+            f"SnAp: the dependences between positions of hidden group {index} differ from "
+            f"point to point (a derivative that vanishes over a region, such as a ReLU's); "
+            f"its neighbourhoods are their union over {PROBES} random points, which can miss "
+            "a dependence that is rarely active. OSTLRecurrent() (the whole within-group "
+            "transition) has no such risk.",
+            ProbeWarning,
+            stacklevel=2,
+        )
     return found | np.eye(P, dtype=bool)
+
+
+PROBES = 16
+"""How many random points `SnAp`'s position graph is probed at."""
+_SCALES = (0.1, 0.3, 1.0)  # spreads: units switch on and off at different points
 
 
 def neighbourhood(graph: ETraceGraph, index: int, n: int, max_elements: int) -> Neighbourhood:
