@@ -171,7 +171,11 @@ def _jitted_init(learner: etrax.OnlineLearner, vmap: bool) -> Any:
     def init(st: Any) -> Any:
         return algo.init(graph, st)
 
-    return jax.jit(jax.vmap(init, in_axes=None, axis_size=2) if vmap else init)(state_of(graph))
+    state = state_of(graph)
+    if vmap:  # the model holds every sample's hidden values; init sees one sample's
+        one = jax.tree.map(lambda a: a[0], state.hidden)
+        state = etrax.ModelState(state.params, one, state.other)
+    return jax.jit(jax.vmap(init, in_axes=None, axis_size=2) if vmap else init)(state)
 
 
 def test_initial_traces_compile_nothing() -> None:
