@@ -51,6 +51,7 @@ from ..executor import (
     fast_check_state,
     flat_state,
     forward_pure,
+    model_state,
     next_state,
     require_graph,
     shape_dtype,
@@ -637,7 +638,7 @@ def moving_parts(state: ModelState) -> Moving:
 
 def rejoin(params: PathDict[ArrayTree], moving: Moving) -> ModelState:
     """The state of `params` and a loop's carried values (`moving_parts`)."""
-    return ModelState(params, *moving)
+    return model_state(params, *moving)
 
 
 def _zero_uses(graph: ETraceGraph, state: ModelState, *likes: Any) -> list[Array]:
