@@ -704,3 +704,42 @@ def test_drivers_return_named_results_that_unpack_as_before() -> None:
     assert isinstance(exact, etrax.BPTTResult)
     assert exact.losses is a["losses"] and exact.grads is g
     np.testing.assert_allclose(exact.losses, result.losses, rtol=1e-12)
+
+
+class Embedded(brainstate.nn.Module):
+    """A leaky unit fed by an embedding of integer tokens, with a readout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        brainstate.random.seed(1)
+        self.emb = etrax.nn.Embedding(5, 4)
+        self.ro = etrax.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((4,), brainstate.environ.dftype()))
+
+    def update(self, idx: ArrayLike) -> Array:
+        self.h.value = 0.7 * self.h.value + jnp.tanh(self.emb(idx))
+        y: Array = self.ro(self.h.value)
+        return y
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [etrax.DRTRL(), etrax.OSTLRecurrent(), etrax.SnAp(2), etrax.UORO(jax.random.key(0))],
+    ids=lambda r: r.name,
+)
+def test_integer_inputs_in_every_trace_factorisation(rule: etrax.OnlineAlgorithm[Any]) -> None:
+    """Integer op inputs (an embedding's token ids) keep their dtype in the traces
+    that store them (UORO's), and every rule equals BPTT at T = 1."""
+    model = Embedded()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.asarray(0))
+    state = etrax.state_of(graph)
+    xs, ts = jnp.array([3]), jax.random.normal(jax.random.key(2), (1, 2))
+    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, mse).grads
+    want = bptt_grads(model, state, xs, ts, mse)
+    assert _max_rel(dict(got), want) < TOL
+    longer = jnp.array([3, 1, 4])  # and a longer sequence runs
+    tl = jax.random.normal(jax.random.key(3), (3, 2))
+    etrax.online_grad(graph, rule, state, rule.init(graph, state), longer, tl, mse)

@@ -63,6 +63,11 @@ class ProjectionTraces(eqx.Module):
     key: PRNGKeyArray
 
 
+def _stored(own: Any, dtype: Any) -> Any:
+    """The dtype a trace keeps a value of dtype `own` in: `dtype` for floats."""
+    return dtype if jnp.issubdtype(own, jnp.floating) else own
+
+
 def _norm(tree: Any) -> Array:
     leaves = jax.tree.leaves(tree)
     return jnp.sqrt(sum(jnp.sum(leaf * leaf) for leaf in leaves))
@@ -110,7 +115,10 @@ class RandomProjection(TraceFactorisation[ProjectionTraces]):
         plan = plan_of(graph)
         s = tuple(jnp.zeros(g.slab_shape, dtype) for g in graph.hidden_groups)
         theta = tuple({k: jnp.zeros(sl.eff_shapes[k], dtype) for k in sl.keys} for sl in plan.slots)
-        xs = tuple(None if st is None else jnp.zeros(st.shape, dtype) for st in plan.x_structs)
+        xs = tuple(  # an op's input keeps an integer dtype (an embedding's indices)
+            None if st is None else jnp.zeros(st.shape, _stored(st.dtype, dtype))
+            for st in plan.x_structs
+        )
         df = tuple(jnp.zeros((*sl.varshape, sl.num_state), dtype) for sl in plan.slots)
         key = self.key
         if not jnp.issubdtype(key.dtype, jax.dtypes.extended):
