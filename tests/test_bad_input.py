@@ -573,3 +573,32 @@ def test_lower_level_entry_points_check_their_inputs() -> None:
     no_hidden = etrax.ModelState(state.params, etrax.PathDict(), state.other)
     with pytest.raises(etrax.StepInputError, match="missing"):
         rule.init(graph, no_hidden)
+
+
+def test_op_arguments_that_do_not_fit_name_the_op() -> None:
+    """Mis-shaped op operands are etrax errors naming the op and the shapes (not
+    JAX's or opt_einsum's from inside)."""
+    cases: list[tuple[Callable[[], object], str]] = [
+        (
+            lambda: etrax.conv(
+                jnp.ones((1, 5, 3)), jnp.ones((3, 2, 4)), dimension_numbers=("NWC", "WIO", "NWC")
+            ),
+            "conv: x has 3 input channels",
+        ),
+        (
+            lambda: etrax.conv(
+                jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), dimension_numbers=("NXC", "WIO", "NWC")
+            ),
+            "conv: dimension_numbers",
+        ),
+        (lambda: etrax.einsum("i,io->o", jnp.ones(3), jnp.ones((4, 4))), "label 'i' has size 3"),
+        (
+            lambda: etrax.matmul(jnp.ones(3), jnp.ones((3, 4)), weight_fn=jnp.transpose),
+            "weight_fn must keep the shape",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    etrax.einsum("i,io->o", jnp.ones(3), jnp.ones((3, 4)))  # the fitting ones run
+    etrax.matmul(jnp.ones(3), jnp.ones((3, 4)), weight_fn=jnp.abs)

@@ -731,15 +731,19 @@ class Embedded(brainstate.nn.Module):
 )
 def test_integer_inputs_in_every_trace_factorisation(rule: etrax.OnlineAlgorithm[Any]) -> None:
     """Integer op inputs (an embedding's token ids) keep their dtype in the traces
-    that store them (UORO's), and every rule equals BPTT at T = 1."""
+    that store them (UORO's), and every rule equals BPTT at T = 1, also for an index
+    from the end (-1) and one past it (9: clamped to the last row, as JAX reads it)."""
     model = Embedded()
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.asarray(0))
     state = etrax.state_of(graph)
-    xs, ts = jnp.array([3]), jax.random.normal(jax.random.key(2), (1, 2))
-    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, mse).grads
-    want = bptt_grads(model, state, xs, ts, mse)
-    assert _max_rel(dict(got), want) < TOL
+    ts = jax.random.normal(jax.random.key(2), (1, 2))
+    for index in (3, -1, 9):
+        xs = jnp.array([index])
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, mse).grads
+        want = bptt_grads(model, state, xs, ts, mse)
+        assert np.any(np.asarray(want[("emb", "weight")])[4]) == (index != 3)
+        assert _max_rel(dict(got), want) < TOL, index
     longer = jnp.array([3, 1, 4])  # and a longer sequence runs
     tl = jax.random.normal(jax.random.key(3), (3, 2))
     etrax.online_grad(graph, rule, state, rule.init(graph, state), longer, tl, mse)

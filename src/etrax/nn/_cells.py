@@ -19,8 +19,9 @@ __all__ = ["CFNCell", "LRUCell", "MiniLSTM", "MinimalRNNCell", "URLSTMCell"]
 class MiniLSTM(_Cell):
     r"""Minimal LSTM: ``h ← σ(W_f [x; h]) ⊙ h + σ(W_i [x; h]) ⊙ W_x x``.
 
-    The state's recurrence is element-wise given the gates, so every weight is
-    traced (``W_f``, ``W_i`` also through ``h``'s own Jacobian).
+    The state's update is element-wise given the gates, so every weight is traced
+    (``W_f``, ``W_i`` also through ``h``'s own Jacobian); the gates read ``h`` through
+    their weights, so over several steps D-RTRL is the diagonal approximation.
 
     **Arguments:** `num_in`, `num_out` (input and state sizes); `w_init`, `b_init`
     (weight and bias initialisers; default Xavier normal and zeros); `state_init`

@@ -29,7 +29,11 @@ class Linear(brainstate.nn.Module):
     - `w_mask`: optional fixed mask multiplied into ``W`` inside the op (the trace is
       taken with respect to the raw ``W``).
 
-    Inputs with more than two axes are flattened to ``(batch, in)`` around the op.
+    Inputs with more than two axes are flattened to ``(batch, in)`` around the op. The
+    op's positions then do not line up with a hidden state of the input's shape, so
+    such a use is not traced into it (reported as
+    ``relation_excluded_shape_mismatch``; the weight learns from its exact
+    instantaneous gradient): give the layer ``(in,)`` or ``(batch, in)`` inputs.
     """
 
     def __init__(

@@ -21,7 +21,13 @@ from .._compat import bind
 from .._errors import NotSupportedError
 from .._typing import Params, Shape
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import bias_trainable, chain_transform, check_transform, dense_scale, outer_instant
+from ._util import (
+    bias_trainable,
+    chain_transform,
+    check_transform,
+    dense_scale,
+    outer_instant,
+)
 
 __all__ = ["conv", "conv_p", "default_dimension_numbers"]
 
@@ -269,6 +275,17 @@ def conv(
         bias_fn=bias_fn,
         kernel_shape=tuple(kernel.shape),
     )
+    try:
+        numbers = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, tuple(dn))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"conv: dimension_numbers {dn!r} do not fit: {err}") from err
+    channels = x.shape[numbers.lhs_spec[1]] // int(feature_group_count)
+    if channels != kernel.shape[numbers.rhs_spec[1]]:
+        raise ValueError(
+            f"conv: x has {x.shape[numbers.lhs_spec[1]]} input channels (in "
+            f"{feature_group_count} group(s)) but the kernel {kernel.shape} expects "
+            f"{kernel.shape[numbers.rhs_spec[1]]} per group"
+        )
     operands = [x, kernel]
     if bias is not None:
         bias = jnp.asarray(bias)

@@ -144,6 +144,21 @@ EINSUM_RULES = ETPRules(
 einsum_p = register_primitive("etp_einsum", _impl, rules=EINSUM_RULES)
 
 
+def _check_sizes(equation: str, x_shape: Shape, w_shape: Shape) -> None:
+    """A `ValueError` when a label has two sizes in `x` and `weight`."""
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    if len(terms) != 2 or "." in equation:
+        return  # parse_einsum has checked the form; an ellipsis is left to JAX
+    sizes: dict[str, int] = {}
+    for labels, shape, name in ((terms[0], x_shape, "x"), (terms[1], w_shape, "weight")):
+        for label, size in zip(labels, shape, strict=False):
+            if sizes.setdefault(label, size) != size:
+                raise ValueError(
+                    f"einsum {equation!r}: label {label!r} has size {sizes[label]} in x but "
+                    f"{size} in {name} (x {tuple(x_shape)}, weight {tuple(w_shape)})"
+                )
+
+
 def einsum(equation: str, x: ArrayLike, weight: ArrayLike, *, weight_fn: Transform = None) -> Array:
     """``jnp.einsum(equation, x, weight_fn(weight))`` whose weight is traced online.
 
@@ -162,4 +177,5 @@ def einsum(equation: str, x: ArrayLike, weight: ArrayLike, *, weight_fn: Transfo
             f"einsum {equation!r}: x has {x.ndim} axes and weight {weight.ndim}, the equation "
             f"says {len(spec.x)} and {len(spec.w)}"
         )
+    _check_sizes(equation, x.shape, weight.shape)
     return bind(einsum_p, x, weight, spec=spec, weight_fn=weight_fn)

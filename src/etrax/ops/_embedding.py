@@ -107,6 +107,9 @@ def embedding(indices: ArrayLike, table: ArrayLike, *, weight_fn: Transform = No
 
     `indices` is an integer scalar or ``(batch,)``; `table` is ``(vocab, dim)``. The
     per-parameter trace scales with the vocabulary (``vocab × dim`` per sample).
+    Indices follow JAX's indexing: a negative one counts from the end, and one out of
+    range is clamped to the first or last row (the row that is read is the row that
+    learns).
     """
     idx = jnp.asarray(indices)
     table = jnp.asarray(table)
@@ -120,4 +123,7 @@ def embedding(indices: ArrayLike, table: ArrayLike, *, weight_fn: Transform = No
         raise ValueError(f"embedding: indices must be a scalar or (batch,), got {idx.shape}")
     if table.ndim != 2:
         raise ValueError(f"embedding: table must be (vocab, dim), got {table.shape}")
-    return bind(embedding_p, idx, table, weight_fn=weight_fn, vocab=int(table.shape[0]))
+    vocab = int(table.shape[0])
+    # one row per index everywhere (the lookup, its traces and its gradients)
+    idx = jnp.clip(jnp.where(idx < 0, idx + vocab, idx), 0, vocab - 1)
+    return bind(embedding_p, idx, table, weight_fn=weight_fn, vocab=vocab)

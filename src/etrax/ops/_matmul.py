@@ -126,8 +126,8 @@ def matmul(
     """
     x = jnp.asarray(x)
     weight = jnp.asarray(weight)
-    check_transform("matmul: weight_fn", weight_fn)
-    check_transform("matmul: bias_fn", bias_fn)
+    check_transform("matmul: weight_fn", weight_fn, weight)
+    check_transform("matmul: bias_fn", bias_fn, bias)
     if x.ndim not in (1, 2):
         raise ValueError(
             f"matmul: x must have shape (in,) or (batch, in), got {x.shape}; "

@@ -1,11 +1,13 @@
 """Helpers shared by the built-in ETP ops."""
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._compat import shape_struct
 from .._typing import Params, Shape
 
 __all__ = [
@@ -38,10 +40,21 @@ def sum_leading(value: Array, keep: int) -> Array:
     return jnp.sum(value, axis=tuple(range(extra)))
 
 
-def check_transform(name: str, fn: object) -> None:
-    """Validate a ``weight_fn``/``bias_fn`` argument."""
+def check_transform(name: str, fn: object, value: Any = None) -> None:
+    """Validate a ``weight_fn``/``bias_fn`` argument; with the `value` it transforms,
+    also that it keeps the value's shape (the ops apply it element-wise)."""
     if fn is not None and not callable(fn):
         raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}.")
+    if fn is None or value is None:
+        return
+    shape = tuple(jnp.shape(value))
+    out = jax.eval_shape(fn, shape_struct(shape, jnp.result_type(value)))
+    if tuple(getattr(out, "shape", ())) != shape:
+        raise ValueError(
+            f"{name} must keep the shape {shape} of the array it transforms (a mask, a sign "
+            f"constraint, a standardisation), got {getattr(out, 'shape', out)}; reshape or "
+            "transpose the stored array instead."
+        )
 
 
 def bias_trainable(params: Params) -> Mapping[str, int]:
