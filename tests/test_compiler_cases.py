@@ -496,22 +496,28 @@ class Refractory(brainstate.nn.Module):
         return v + s
 
 
-def test_a_refractory_neuron_with_boolean_values_compiles_and_is_exact_at_t1() -> None:
-    model = Refractory()
+def _exact_at_t1(model: brainstate.nn.Module, loss: Any) -> tuple[Any, Any, Array, Array]:
+    """Compile `model` (3 inputs, 4 outputs), check that D-RTRL, pp-prop and e-prop
+    equal BPTT through its own update at T = 1; returns the graph, state and data."""
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.ones(3))
     state = etrax.state_of(graph)
     xs = jax.random.normal(jax.random.PRNGKey(3), (1, 3))
     ts = jax.random.normal(jax.random.PRNGKey(4), (1, 4))
-    want = bptt_grads(model, state, xs, ts, _squared)
+    want = bptt_grads(model, state, xs, ts, loss)
     rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
     for rule in rules:
-        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, loss)
         for path in want:
             for a, b in zip(
                 jax.tree.leaves(got.grads[path]), jax.tree.leaves(want[path]), strict=True
             ):
                 np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    return graph, state, xs, ts
+
+
+def test_a_refractory_neuron_with_boolean_values_compiles_and_is_exact_at_t1() -> None:
+    _exact_at_t1(Refractory(), _squared)
 
 
 class WithRaster(Refractory):
@@ -533,21 +539,7 @@ def test_boolean_and_integer_outputs_are_read_not_differentiated() -> None:
     """A step that also returns a boolean raster and an integer count: every rule
     (random feedback included) runs and equals BPTT through the model at T = 1; the
     non-float outputs take part in the loss but carry no cotangent."""
-    model = WithRaster()
-    brainstate.nn.init_all_states(model)
-    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
-    state = etrax.state_of(graph)
-    xs = jax.random.normal(jax.random.PRNGKey(3), (1, 3))
-    ts = jax.random.normal(jax.random.PRNGKey(4), (1, 4))
-    want = bptt_grads(model, state, xs, ts, _raster_loss)
-    exact: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
-    for rule in exact:
-        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _raster_loss)
-        for path in want:
-            for a, b in zip(
-                jax.tree.leaves(got.grads[path]), jax.tree.leaves(want[path]), strict=True
-            ):
-                np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    graph, state, xs, ts = _exact_at_t1(WithRaster(), _raster_loss)
     random = etrax.EProp(0.5, feedback="random", key=jax.random.key(0))  # runs, not BPTT
     got = etrax.online_grad(graph, random, state, random.init(graph, state), xs, ts, _raster_loss)
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(got.grads))
