@@ -1,5 +1,6 @@
 """Helpers shared by the built-in ETP ops."""
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,14 +48,23 @@ def check_transform(name: str, fn: object, value: Any = None) -> None:
         raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}.")
     if fn is None or value is None:
         return
-    shape = tuple(jnp.shape(value))
-    out = jax.eval_shape(fn, shape_struct(shape, jnp.result_type(value)))
-    if tuple(getattr(out, "shape", ())) != shape:
+    shape, dtype = tuple(jnp.shape(value)), jnp.result_type(value)
+    try:
+        out = _shape_after(fn, shape, dtype)  # once per (function, shape, dtype)
+    except TypeError:  # an unhashable function: traced every time
+        out = _shape_after.__wrapped__(fn, shape, dtype)
+    if out != shape:
         raise ValueError(
             f"{name} must keep the shape {shape} of the array it transforms (a mask, a sign "
-            f"constraint, a standardisation), got {getattr(out, 'shape', out)}; reshape or "
-            "transpose the stored array instead."
+            f"constraint, a standardisation), got {out}; reshape or transpose the stored "
+            "array instead."
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_after(fn: Callable[[Any], Any], shape: Shape, dtype: Any) -> Any:
+    """The shape of ``fn(x)`` for ``x`` of `shape` and `dtype` (traced, not run)."""
+    return getattr(jax.eval_shape(fn, shape_struct(shape, dtype)), "shape", None)
 
 
 def bias_trainable(params: Params) -> Mapping[str, int]:
