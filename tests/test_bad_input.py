@@ -421,6 +421,17 @@ def test_learner_params_with_a_wrong_key() -> None:
     learner = etrax.compile(etrax.nn.GRUCell(3, 4), etrax.DRTRL(), jnp.zeros((2, 3)), batch_size=2)
     with pytest.raises(KeyError, match=r"needs exactly the parameter paths.*unknown \[\('W',\)\]"):
         learner.params = {("W",): jnp.zeros(3)}
+    before = learner.params
+    wrong = dict(before)
+    path = ("Wz", "weight")
+    wrong[path] = {"weight": jnp.zeros((7, 5)), "bias": jnp.zeros(5)}  # another shape
+    with pytest.raises(etrax.StepInputError, match=r"shapes \[\(5,\), \(7, 5\)\].*compiled"):
+        learner.params = wrong
+    wrong[path] = jnp.zeros((7, 4))  # another structure
+    with pytest.raises(etrax.StepInputError, match="structure"):
+        learner.params = wrong
+    for a, b in zip(jax.tree.leaves(learner.params), jax.tree.leaves(before), strict=True):
+        assert a is b  # nothing was written
 
 
 @pytest.mark.parametrize(

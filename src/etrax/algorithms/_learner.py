@@ -263,6 +263,19 @@ class OnlineLearner:
                 f"{missing}, unknown {unknown}. Start from learner.params and update it "
                 "(e.g. optax.apply_updates(learner.params, updates))."
             )
+        infos = {info.path: info for info in self.graph.module_info.states}
+        for path in expected:  # all checked before any is written
+            info = infos[path]
+            leaves, treedef = jax.tree.flatten(values[path])
+            shapes = [tuple(jnp.shape(a)) for a in leaves]
+            if treedef != info.treedef or shapes != [tuple(sh) for sh in info.shapes]:
+                raise StepInputError(
+                    f"learner.params[{path!r}] has structure {treedef} and shapes {shapes}, but "
+                    f"the model was compiled with {info.treedef} and shapes "
+                    f"{[tuple(sh) for sh in info.shapes]}. Keep every parameter's structure "
+                    "and shapes (start from learner.params); for another shape, build a new "
+                    "model and learner."
+                )
         for path in expected:
             refs[path].value = values[path]
 
