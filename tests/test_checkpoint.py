@@ -112,3 +112,23 @@ def test_a_checkpoint_of_another_dtype_is_refused(tmp_path: pathlib.Path) -> Non
         etrax.load_checkpoint(tmp_path / "c.eqx", ckpt)
     etrax.save_checkpoint(tmp_path / "c.eqx", ckpt)
     etrax.load_checkpoint(tmp_path / "c.eqx", ckpt)  # the same dtypes load
+
+
+def test_a_checkpoint_of_another_optimiser_is_refused(tmp_path: pathlib.Path) -> None:
+    """An Adam checkpoint does not load into an SGD template (whose state is empty:
+    the saved moments would be dropped without a word); a learner loading without an
+    optimiser template reads the model and traces and leaves the optimiser state."""
+    adam = optax.adam(1e-2)
+    saved = learner()
+    opt_state = train(saved, adam.init(saved.params), range(1))
+    saved.save(tmp_path / "adam.eqx", opt_state)
+    other = learner()
+    with pytest.raises(etrax.StepInputError, match="more arrays than the template"):
+        other.load(tmp_path / "adam.eqx", optax.sgd(0.1).init(other.params))
+    other.load(tmp_path / "adam.eqx")  # the optimiser state is not read
+    for a, b in zip(jax.tree.leaves(other.params), jax.tree.leaves(saved.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    like = etrax.Checkpoint(etrax.state_of(other.graph), other.traces, None)
+    with pytest.raises(etrax.StepInputError, match="more arrays"):
+        etrax.load_checkpoint(tmp_path / "adam.eqx", like)
+    etrax.load_checkpoint(tmp_path / "adam.eqx", like, partial=True)

@@ -62,21 +62,28 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path_or_file: str | pathlib.Path | BinaryIO, like: Checkpoint[TraceT, OptT]
+    path_or_file: str | pathlib.Path | BinaryIO,
+    like: Checkpoint[TraceT, OptT],
+    *,
+    partial: bool = False,
 ) -> Checkpoint[TraceT, OptT]:
     """Read a checkpoint written by `save_checkpoint` into the structure of `like`.
 
     `like` is a `Checkpoint` of the same model, rule and optimiser, e.g.
     ``Checkpoint(state_of(graph), rule.init(graph, state), opt.init(state.params))``
-    for a graph rebuilt from the model. Shapes and dtypes must match (a different
-    model, batch size or rule is a `StepInputError`).
+    for a graph rebuilt from the model. Shapes and dtypes must match, and the file
+    must hold nothing more (a different model, batch size, rule or optimiser is a
+    `StepInputError`); with ``partial=True`` arrays after the template's are ignored
+    (e.g. the optimiser state, read with ``opt_state=None``).
     """
     if not isinstance(like, Checkpoint):
         raise TypeError(f"load_checkpoint needs a Checkpoint template, got {type(like).__name__}")
     try:
-        loaded: Checkpoint[TraceT, OptT] = eqx.tree_deserialise_leaves(
-            path_or_file, like, filter_spec=_exactly_like
-        )
+        if isinstance(path_or_file, str | pathlib.Path):
+            with open(path_or_file, "rb") as f:
+                loaded: Checkpoint[TraceT, OptT] = _read_checkpoint(f, like, partial)
+        else:
+            loaded = _read_checkpoint(path_or_file, like, partial)
     except (RuntimeError, ValueError) as err:
         root: BaseException = err  # equinox wraps the leaf's own error: name both
         while (root.__cause__ or root.__context__) is not None:
@@ -86,6 +93,27 @@ def load_checkpoint(
             f"the checkpoint does not fit the template: {detail}. Build the template from the "
             "same model (and batch size), rule and optimiser as the saved run."
         ) from err
+    return loaded
+
+
+def _read_checkpoint(
+    f: BinaryIO, like: Checkpoint[TraceT, OptT], partial: bool
+) -> Checkpoint[TraceT, OptT]:
+    """Read `like`'s leaves from `f`; unless `partial`, refuse a file with arrays left
+    over (saved from a larger template: another optimiser's state would otherwise be
+    dropped)."""
+    loaded: Checkpoint[TraceT, OptT] = eqx.tree_deserialise_leaves(
+        f, like, filter_spec=_exactly_like
+    )
+    if not partial and f.seekable():
+        at = f.tell()
+        more = f.read(1)
+        f.seek(at)
+        if more:
+            raise ValueError(
+                "the file holds more arrays than the template (saved with another optimiser "
+                "state, rule or model?)"
+            )
     return loaded
 
 

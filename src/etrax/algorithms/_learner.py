@@ -820,11 +820,12 @@ class OnlineLearner:
     def load(self, path: str | pathlib.Path | BinaryIO, opt_state_like: object = None) -> object:
         """Load a checkpoint written by `save` into the model and the learner, and
         return the saved optimiser state (read into the structure of `opt_state_like`,
-        e.g. ``opt.init(learner.params)``). The learner must be built from the same
-        model class, rule and batch size."""
+        e.g. ``opt.init(learner.params)``; without it, a saved optimiser state is not
+        read). The learner must be built from the same model class, rule and batch
+        size, and the optimiser state like the saved one."""
         self._check_bound()
         like = Checkpoint(state_of(self.graph), self.traces, opt_state_like)
-        loaded = load_checkpoint(path, like)
+        loaded = load_checkpoint(path, like, partial=opt_state_like is None)
         self.params = loaded.state.params
         write_back(self.graph, loaded.state)
         self.traces = loaded.traces
