@@ -3,6 +3,8 @@ own update, evolving without gradients, one-step calls, seeds and reports."""
 
 import dataclasses
 import pathlib
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import brainstate
@@ -701,3 +703,23 @@ def test_uoro_draws_fresh_noise_per_sample_and_sequence_and_resumes(
     resumed.load(tmp_path / "uoro.eqx")
     resumed.reset()
     assert _same(resumed.etrace_grad(xs, ys, _sq), again)
+
+
+def test_an_all_zero_mask_is_not_a_silent_network_and_losses_are_bounded() -> None:
+    """A chunk whose mask scores no step has a zero gradient by design: no
+    `SilentNetworkWarning` (one scored step with a dead input still warns); and a new
+    loss function per call keeps at most `MAX_PROGRAMS` wrapped losses."""
+    learner, xs, ys = setup(etrax.DRTRL())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", etrax.SilentNetworkWarning)
+        learner.etrace_grad(xs, ys, mse, mask=jnp.zeros(T))
+    with pytest.warns(etrax.SilentNetworkWarning, match="every gradient is exactly zero"):
+        learner.etrace_grad(xs, ys, lambda y, t: 0.0 * mse(y, t), mask=jnp.ones(T))
+    from etrax.algorithms._learner import MAX_PROGRAMS
+
+    def scaled(k: int) -> Callable[[Array, Array], Array]:
+        return lambda y, t: mse(y, t) * (1.0 + k)
+
+    for k in range(MAX_PROGRAMS + 5):
+        learner.etrace_grad(xs, ys, scaled(k), reduction="mean")
+    assert len(learner._weighted_losses) <= MAX_PROGRAMS

@@ -596,7 +596,8 @@ class OnlineLearner:
         if synthesising:  # carried to the next call
             aux, self.synthesiser = aux
         state = rejoin(before.params, moving)
-        self._warn_if_silent(*(self._silence_host(before, state, grads) if on_host else silent))
+        still, all_zero = self._silence_host(before, state, grads) if on_host else silent
+        self._warn_if_silent(still, all_zero, mask)
         write_back(self.graph, state)
         self.traces = traces
         if return_value:
@@ -649,9 +650,12 @@ class OnlineLearner:
         leaves = jax.tree.leaves(grads)  # NaN counts as nonzero
         return still, bool(leaves) and not any(np.any(np.asarray(g)) for g in leaves)
 
-    def _warn_if_silent(self, still: Array | list[bool], all_zero: Array | bool) -> None:
+    def _warn_if_silent(
+        self, still: Array | list[bool], all_zero: Array | bool, mask: Any = None
+    ) -> None:
         """Warn (`SilentNetworkWarning`) when a hidden group did not change over the
-        sequence, or every gradient is exactly zero."""
+        sequence, or every gradient is exactly zero although some step was scored (a
+        `mask` of zeros scores none: its zero gradient is expected)."""
         flags = still if isinstance(still, list) else still.tolist()
         unchanged = [g.index for g, s in zip(self.graph.hidden_groups, flags, strict=True) if s]
         if unchanged:
@@ -661,7 +665,7 @@ class OnlineLearner:
                 SilentNetworkWarning,
                 stacklevel=3,
             )
-        if bool(all_zero):
+        if bool(all_zero) and (mask is None or bool(np.any(np.asarray(mask)))):
             warnings.warn(
                 "every gradient is exactly zero over this sequence: a spiking layer may be "
                 "silent (no membrane near threshold; see etrax.nn.LIF's R and the input "
@@ -696,9 +700,11 @@ class OnlineLearner:
 
     def _weighted_loss(self, loss_fn: LossFn | AuxLossFn[Any], has_aux: bool) -> AuxLossFn[Any]:
         """``(y, (target, w)) ↦ (w · loss, (loss, aux))``, one function per loss (so
-        the compiled program is reused)."""
+        the compiled program is reused); at most `MAX_PROGRAMS` are kept, the least
+        recently used going first."""
         key = (loss_fn, has_aux)
-        if key not in self._weighted_losses:
+        found = self._weighted_losses.pop(key, None)
+        if found is None:
 
             def weighted(y: PyTree, target_and_weight: Any) -> tuple[Array, PyTree]:
                 target, w = target_and_weight
@@ -706,8 +712,11 @@ class OnlineLearner:
                 loss, aux = out if has_aux else (out, None)
                 return w * loss, (loss, aux)
 
-            self._weighted_losses[key] = weighted
-        return self._weighted_losses[key]
+            found = weighted
+            while len(self._weighted_losses) >= MAX_PROGRAMS:  # as many as programs
+                del self._weighted_losses[next(iter(self._weighted_losses))]
+        self._weighted_losses[key] = found  # the most recently used last
+        return found
 
     @overload
     def etrace_evolve(self, xs: Any, *, return_outputs: Literal[False] = False) -> None: ...
@@ -937,7 +946,9 @@ def compile(
     - `policy`: the compiler's `CompilePolicy` (weight-op recognition, if-conversion,
       loop unrolling); the default policy when `None`.
     - `seed`: seeds brainstate's random generator before the states are created
-      (reproducible initial states); `None` leaves it as it is.
+      (reproducible random initial *states*); `None` leaves it as it is. The weights
+      were drawn when the model was built, before this call: for reproducible
+      weights, call ``brainstate.random.seed(s)`` before building the model.
     - `verbose`: print the compilation report.
 
     **Raises:** `TypeError` for an unknown algorithm or a `vmap` that is not a bool,
