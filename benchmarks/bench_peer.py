@@ -46,6 +46,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 import etrax
+from etrax.algorithms._drivers import _block_length as chunk_length  # the driver's own rule
 
 from ._common import RESULTS, block, table
 
@@ -341,10 +342,14 @@ def _braintrace_grad(learner: braintrace.ETraceAlgorithm) -> Callable[[Array, Ar
 
 @dataclasses.dataclass
 class Program:
-    """An AOT-compiled XLA executable with its arguments bound."""
+    """An AOT-compiled XLA executable with its arguments bound; for etrax's online
+    rules also the bytes of the traces it carries and the steps per chunk it runs
+    (for the memory-traffic floor, `traffic_floor_s`)."""
 
     run: Callable[[], Any]
     scratch_mib: float
+    trace_bytes: int = 0
+    chunk: int = 0
 
 
 def _aot(fn: Callable[..., Any], *args: Any) -> Program:
@@ -352,6 +357,27 @@ def _aot(fn: Callable[..., Any], *args: Any) -> Program:
     mem = compiled.memory_analysis()
     scratch = math.nan if mem is None else mem.temp_size_in_bytes / 2**20
     return Program(functools.partial(compiled, *args), scratch)
+
+
+def stream_bandwidth(nbytes: int = 1 << 27, repeats: int = 9) -> float:
+    """Bytes read plus bytes written per second by one element-wise pass over `nbytes`
+    of float32 (the buffer donated, so nothing is allocated per pass): the memory
+    bandwidth a trace update can reach on this device, measured in this process."""
+    update = jax.jit(lambda a: a * 0.999, donate_argnums=0)
+    x = block(update(jnp.ones((nbytes // 4,), jnp.float32)))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x = block(update(x))
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def traffic_floor_s(trace_bytes: int, chunk: int, bandwidth: float) -> float:
+    """Seconds per step that reading and writing every trace once per chunk of `chunk`
+    steps takes at `bandwidth` (bytes read plus written per second): the floor of a
+    per-parameter rule's step, whatever its arithmetic."""
+    return 2 * trace_bytes / (max(chunk, 1) * bandwidth)
 
 
 class PureStep:
@@ -451,7 +477,12 @@ def build_program(
             # (braintrace's program returns nothing for states its step only reads)
             return grads, aux["state"].hidden, aux["state"].other, aux["traces"]
 
-        return _aot(online, state, algo.init(graph, state), data.xs, data.targets)
+        traces = algo.init(graph, state)
+        program = _aot(online, state, traces, data.xs, data.targets)
+        program.trace_bytes = sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(traces))
+        T = int(data.xs.shape[0])
+        program.chunk = min(T, chunk_length(T, algo.chunk_for(graph)))
+        return program
     learner = _braintrace_learner(method, make_model(lib, cfg), cfg, data.x0)
     fn = brainstate.transform.StatefulFunction(_braintrace_grad(learner))
     fn.make_jaxpr(data.xs, data.targets)
@@ -491,6 +522,7 @@ class FirstCall:
     seconds: float  # graph compile + tracing + XLA compile + first call
     cpu_seconds: float  # the same, in this process's CPU time (robust to other load)
     recompiles: int  # XLA compilations in a second call with new input values
+    second_seconds: float  # that second call (with any recompilation it triggers)
     zero_paths: tuple[str, ...]  # parameter leaves whose gradient is identically zero
     leaves: int
 
@@ -562,9 +594,11 @@ def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
     out = block(call(data.xs))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     with CompileCounter() as counter:
+        start = time.perf_counter()
         block(call(data.xs2))
+        second = time.perf_counter() - start
     zero, leaves = _zero_leaves(out if method != "forward" else [])
-    return FirstCall(seconds, cpu_seconds, counter.count, zero, leaves)
+    return FirstCall(seconds, cpu_seconds, counter.count, second, zero, leaves)
 
 
 # --- one configuration, interleaved --------------------------------------------------
@@ -587,6 +621,8 @@ class Measured:
     step_s: float
     scratch_mib: float
     first: FirstCall
+    trace_bytes: int = 0
+    chunk: int = 0
 
 
 def _interleaved(
@@ -647,7 +683,14 @@ def measure(
     fixed = per_call.pop(("etrax", FIXED_WR), None)
     calls = {lib: per_call.pop((lib, USER_CALL)) for lib in LIBS}
     measured = {
-        key: Measured(per_call[key] / T, programs[key].scratch_mib, firsts[key]) for key in per_call
+        key: Measured(
+            per_call[key] / T,
+            programs[key].scratch_mib,
+            firsts[key],
+            programs[key].trace_bytes,
+            programs[key].chunk,
+        )
+        for key in per_call
     }
     return measured, None if fixed is None else fixed / T, calls
 
@@ -790,6 +833,98 @@ that both libraries do the same work; interleaved with the rows above.
 """
 
 
+ONLINE = ("D-RTRL", "pp-prop", "e-prop")
+
+
+def _two_calls_section(results: dict[Config, dict[tuple[Lib, str], Measured]]) -> str:
+    """Each library's first and second call of an online learner: the time to first
+    gradient, and the time until the learner has stopped compiling."""
+    rows = []
+    for cfg, res in results.items():
+        for method in ONLINE:
+            e, b = res["etrax", method].first, res["braintrace", method].first
+            rows.append(
+                [
+                    cfg.model, str(cfg.layers), str(cfg.hidden), str(cfg.batch), method,
+                    f"{e.seconds:.2f}", f"{e.second_seconds:.2f}",
+                    f"{b.seconds:.2f}", f"{b.second_seconds:.2f}",
+                    _ratio(e.seconds, b.seconds),
+                    _ratio(e.seconds + e.second_seconds, b.seconds + b.second_seconds),
+                ]
+            )  # fmt: skip
+    return f"""
+## The first two calls of an online learner
+
+The time to first gradient above, and the second call (new input values) of the same
+build: a braintrace learner compiles its program again on its second call (its hidden
+states are created weakly typed and come back strongly typed), an etrax learner never
+does, so "first two calls" is the time until each learner has stopped compiling.
+
+{table(TWO_CALLS_HEADER, rows)}
+"""
+
+
+TWO_CALLS_HEADER = [
+    "model", "L", "H", "B", "method", "etrax 1st s", "etrax 2nd s", "braintrace 1st s",
+    "braintrace 2nd s", "1st: etrax / braintrace", "first two: etrax / braintrace",
+]  # fmt: skip
+
+
+TRACED = ("D-RTRL", "e-prop")
+"""The per-parameter rules, whose step is bounded below by their traces' memory traffic."""
+
+
+def _traffic_section(
+    results: dict[Config, dict[tuple[Lib, str], Measured]], bandwidth: float
+) -> str:
+    """etrax's D-RTRL and e-prop beside the time it takes to read and write their
+    traces once per chunk (`traffic_floor_s`), and once per step (a per-step form's
+    floor, braintrace's)."""
+    rows = []
+    for cfg, res in results.items():
+        for method in TRACED:
+            e = res.get(("etrax", method))
+            b = res.get(("braintrace", method))
+            if e is None or not e.trace_bytes:
+                continue
+            floor = traffic_floor_s(e.trace_bytes, e.chunk, bandwidth)
+            per_step = traffic_floor_s(e.trace_bytes, 1, bandwidth)
+            rows.append(
+                [
+                    cfg.model, str(cfg.layers), str(cfg.hidden), str(cfg.batch), method,
+                    f"{e.trace_bytes / 2**20:,.2f}", str(e.chunk), f"{floor * 1e6:,.1f}",
+                    f"{e.step_s * 1e6:,.1f}", _ratio(e.step_s, floor),
+                    f"{per_step * 1e6:,.1f}",
+                    "–" if b is None else f"{b.step_s * 1e6:,.1f}",
+                    "–" if b is None else _ratio(b.step_s, per_step),
+                ]
+            )  # fmt: skip
+    if not rows:
+        return ""
+    return f"""
+## D-RTRL and e-prop against the memory-traffic floor
+
+A per-parameter rule reads and writes every trace at least once per chunk of steps
+(etrax's chunked update re-associates a chunk's products, so its traces are touched
+once per chunk; a per-step update, braintrace's, touches them at every step). The floor
+is `2 × trace bytes / (steps per chunk × bandwidth)`, with the bandwidth of an
+element-wise pass over 128 MiB measured in this process: **{bandwidth / 1e9:.1f} GB/s**
+(bytes read plus written). "× floor" is how far the step is from it: the rest is
+arithmetic (the chunk's products, the forward step, the untraced weights' gradients)
+and per-kernel costs. Trace MiB counts every trace the rule carries (e-prop: the
+κ-filtered copies too).
+
+{table(TRAFFIC_HEADER, rows)}
+"""
+
+
+TRAFFIC_HEADER = [
+    "model", "L", "H", "B", "method", "trace MiB", "steps per chunk", "floor µs/step",
+    "etrax µs/step", "etrax × floor", "per-step floor µs/step", "braintrace µs/step",
+    "braintrace × per-step floor",
+]  # fmt: skip
+
+
 USER_CALL = "user call"
 
 
@@ -846,6 +981,7 @@ def report(
     rounds: int,
     first_repeats: int,
     matrix: str,
+    bandwidth: float,
 ) -> str:
     platform, kind = _device()
     speed, memory = _rows(results)
@@ -895,7 +1031,7 @@ machines are noisy: compare ratios within this table, not absolute times across 
 ## Compiled scratch memory and time to first gradient
 
 {table(MEMORY_HEADER, memory)}
-{_fixed_wr_section(results, fixed_wr)}{_user_call_section(results, calls, T)}"""
+{_two_calls_section(results)}{_fixed_wr_section(results, fixed_wr)}{_user_call_section(results, calls, T)}{_traffic_section(results, bandwidth)}"""
 
 
 def plot(results: dict[Config, dict[tuple[Lib, str], Measured]], path: Path) -> None:
@@ -1016,6 +1152,8 @@ def run(argv: Sequence[str] = ()) -> str:
     calls: dict[Config, dict[Lib, float]] = {}
     start = time.perf_counter()
     text = ""
+    bandwidth = stream_bandwidth()
+    print(f"  memory bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s", flush=True)
     with warnings.catch_warnings():
         # braintrace reports every weight without a hidden relation as a warning
         warnings.simplefilter("ignore")
@@ -1031,7 +1169,9 @@ def run(argv: Sequence[str] = ()) -> str:
             if fixed is not None:
                 fixed_wr[cfg] = fixed
             _clear_caches()
-            text = report(results, fixed_wr, calls, steps, args.rounds, first_repeats, matrix)
+            text = report(
+                results, fixed_wr, calls, steps, args.rounds, first_repeats, matrix, bandwidth
+            )
             md.write_text(text)  # after every configuration, so a cut-off run keeps its rows
             plot(results, png)
     print(f"wrote {md} and {png} ({time.perf_counter() - start:.0f} s)")
