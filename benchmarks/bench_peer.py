@@ -836,29 +836,57 @@ that both libraries do the same work; interleaved with the rows above.
 ONLINE = ("D-RTRL", "pp-prop", "e-prop")
 
 
-def _two_calls_section(results: dict[Config, dict[tuple[Lib, str], Measured]]) -> str:
+def calls_to_lead(
+    first: tuple[float, float], second: tuple[float, float], call: tuple[float, float]
+) -> int | None:
+    """The number of calls after which the first library's total time (its first
+    call, its second, then `call` seconds each) is at most the second's, given as
+    ``(first library, second library)`` pairs; `None` if it never is."""
+    if first[0] <= first[1]:
+        return 1
+    behind = first[0] + second[0] - first[1] - second[1]
+    if behind <= 0:
+        return 2
+    gain = call[1] - call[0]
+    return None if gain <= 0 else 2 + math.ceil(behind / gain)
+
+
+def _two_calls_section(results: dict[Config, dict[tuple[Lib, str], Measured]], T: int) -> str:
     """Each library's first and second call of an online learner: the time to first
-    gradient, and the time until the learner has stopped compiling."""
+    gradient, the time until the learner has stopped compiling, and after how many
+    calls etrax's total time is below braintrace's."""
     rows = []
     for cfg, res in results.items():
         for method in ONLINE:
-            e, b = res["etrax", method].first, res["braintrace", method].first
+            e, b = res["etrax", method], res["braintrace", method]
+            lead = calls_to_lead(
+                (e.first.seconds, b.first.seconds),
+                (e.first.second_seconds, b.first.second_seconds),
+                (e.step_s * T, b.step_s * T),
+            )
             rows.append(
                 [
                     cfg.model, str(cfg.layers), str(cfg.hidden), str(cfg.batch), method,
-                    f"{e.seconds:.2f}", f"{e.second_seconds:.2f}",
-                    f"{b.seconds:.2f}", f"{b.second_seconds:.2f}",
-                    _ratio(e.seconds, b.seconds),
-                    _ratio(e.seconds + e.second_seconds, b.seconds + b.second_seconds),
+                    f"{e.first.seconds:.2f}", f"{e.first.second_seconds:.2f}",
+                    f"{b.first.seconds:.2f}", f"{b.first.second_seconds:.2f}",
+                    _ratio(e.first.seconds, b.first.seconds),
+                    _ratio(
+                        e.first.seconds + e.first.second_seconds,
+                        b.first.seconds + b.first.second_seconds,
+                    ),
+                    "never" if lead is None else str(lead),
                 ]
             )  # fmt: skip
     return f"""
-## The first two calls of an online learner
+## The first calls of an online learner
 
 The time to first gradient above, and the second call (new input values) of the same
 build: a braintrace learner compiles its program again on its second call (its hidden
 states are created weakly typed and come back strongly typed), an etrax learner never
-does, so "first two calls" is the time until each learner has stopped compiling.
+does, so "first two" is the time until each learner has stopped compiling. "etrax
+ahead after" is the number of {T}-step calls after which etrax's total time (first
+call, second call, then the per-step time above × {T} per call) is at most
+braintrace's.
 
 {table(TWO_CALLS_HEADER, rows)}
 """
@@ -867,6 +895,7 @@ does, so "first two calls" is the time until each learner has stopped compiling.
 TWO_CALLS_HEADER = [
     "model", "L", "H", "B", "method", "etrax 1st s", "etrax 2nd s", "braintrace 1st s",
     "braintrace 2nd s", "1st: etrax / braintrace", "first two: etrax / braintrace",
+    "etrax ahead after (calls)",
 ]  # fmt: skip
 
 
@@ -1031,7 +1060,7 @@ machines are noisy: compare ratios within this table, not absolute times across 
 ## Compiled scratch memory and time to first gradient
 
 {table(MEMORY_HEADER, memory)}
-{_two_calls_section(results)}{_fixed_wr_section(results, fixed_wr)}{_user_call_section(results, calls, T)}{_traffic_section(results, bandwidth)}"""
+{_two_calls_section(results, T)}{_fixed_wr_section(results, fixed_wr)}{_user_call_section(results, calls, T)}{_traffic_section(results, bandwidth)}"""
 
 
 def plot(results: dict[Config, dict[tuple[Lib, str], Measured]], path: Path) -> None:
