@@ -1060,7 +1060,8 @@ machines are noisy: compare ratios within this table, not absolute times across 
 ## Compiled scratch memory and time to first gradient
 
 {table(MEMORY_HEADER, memory)}
-{_two_calls_section(results, T)}{_fixed_wr_section(results, fixed_wr)}{_user_call_section(results, calls, T)}{_traffic_section(results, bandwidth)}"""
+{_two_calls_section(results, T)}{_fixed_wr_section(results, fixed_wr)}\
+{_user_call_section(results, calls, T)}{_traffic_section(results, bandwidth)}"""
 
 
 def plot(results: dict[Config, dict[tuple[Lib, str], Measured]], path: Path) -> None:

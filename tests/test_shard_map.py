@@ -169,3 +169,172 @@ def test_online_grad_under_shard_map_is_each_devices_own(
         for path in want:
             for a, b in zip(jax.tree.leaves(got[path]), jax.tree.leaves(want[path]), strict=True):
                 np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=str(path))
+
+
+class ReluLeak(brainstate.nn.Module):
+    """``h ← 0.9 h + relu(x W + b)`` and a readout: `jax.nn.relu` is a `custom_jvp`
+    whose jaxpr (a nested `jit` of ``max(x, 0.0)``) was traced outside the map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+        self.out = etrax.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (4,) if batch_size is None else (batch_size, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
+
+    def update(self, x: Any) -> Any:
+        self.h.value = 0.9 * self.h.value + jax.nn.relu(self.fc(x))
+        return self.out(self.h.value)
+
+
+class SpikingReadout(brainstate.nn.Module):
+    """``Linear → ALIF → Linear``: the spike's surrogate gradient is a `custom_jvp`
+    comparing the membrane with a literal threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4, w_init=brainstate.nn.init.KaimingNormal(scale=8.0))
+        self.neu = etrax.nn.ALIF(4, tau=10.0, tau_a=50.0, beta=0.5)
+        self.out = etrax.nn.Linear(4, 2)
+
+    def update(self, x: Any) -> Any:
+        return self.out(self.neu(self.fc(x)))
+
+
+@pytest.mark.parametrize("cls", [ReluLeak, SpikingReadout], ids=["relu", "alif"])
+def test_custom_jvp_models_under_shard_map_and_pmap(cls: Any) -> None:
+    """Models whose step calls a `custom_jvp` function (a spike's surrogate, ReLU):
+    the step, `bptt_grad` and every online rule under `jax.shard_map` (then under
+    `jax.pmap`, in the same process) equal the single-device results. Re-binding the
+    call's jaxpr, made outside the map, mixed varying values with invariant literals
+    (a raw JAX error), and the rule's JVP jaxpr, traced once, must not keep the mesh
+    of the first map it ran under."""
+    full_model, _ = build(cls, batch=4)
+    local_model, _ = build(cls, batch=2)
+    full = etrax.compile_etrace_graph(full_model, jnp.zeros((4, 3)))
+    local = etrax.compile_etrace_graph(local_model, jnp.zeros((2, 3)))
+    state = etrax.state_of(full)
+    state = state.replace_hidden(
+        {p: 0.5 * jax.random.normal(jax.random.PRNGKey(n), jnp.shape(v), jnp.result_type(v))
+         for n, (p, v) in enumerate(state.hidden.items())}
+    )  # fmt: skip
+    xs = jax.random.normal(jax.random.PRNGKey(0), (5, 4, 3))
+    targets = jax.random.normal(jax.random.PRNGKey(1), (5, 4, 2))
+    rules: list[etrax.OnlineAlgorithm[Any]] = [
+        etrax.DRTRL(chunk_steps=2), etrax.PPProp(0.9), etrax.EProp(0.5, chunk_steps=1)
+    ]
+
+    def grads(graph: etrax.ETraceGraph, st: etrax.ModelState, xs: Any, targets: Any) -> Any:
+        online = [
+            etrax.online_grad(graph, a, st, a.init(graph, st), xs, targets, _mse)[0]
+            for a in rules
+        ]
+        exact, _ = etrax.bptt_grad(graph, st, xs, targets, _mse)
+        y, _, jac = etrax.step(graph, st, xs[0])
+        return online, exact, y, jac.D
+
+    def shard(params: Any, hidden: Any, other: Any, xs: Any, targets: Any) -> Any:
+        online, exact, y, D = grads(local, etrax.ModelState(params, hidden, other), xs, targets)
+        return jax.lax.psum((online, exact), "data"), y, D  # type: ignore[no-untyped-call]
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    spec = (P(), P("data"), P("data"), P(None, "data"), P(None, "data"))
+    f = jax.jit(
+        jax.shard_map(shard, mesh=mesh, in_specs=spec, out_specs=(P(), P("data"), P("data")))
+    )
+    summed, y, D = f(state.params, state.hidden, state.other, xs, targets)
+    online_ref, exact_ref, y_ref, D_ref = grads(full, state, xs, targets)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=TOL)
+    for a, b in zip(jax.tree.leaves(D), jax.tree.leaves(D_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
+
+    def split(a: Any, axis: int) -> Any:
+        return jnp.stack(jnp.split(a, 2, axis=axis))
+
+    def per_device(params: Any, hidden: Any, other: Any, xs: Any, targets: Any) -> Any:
+        online, exact, _, _ = grads(local, etrax.ModelState(params, hidden, other), xs, targets)
+        return jax.lax.psum((online, exact), "d")  # type: ignore[no-untyped-call]
+
+    mapped = jax.pmap(per_device, axis_name="d", in_axes=(None, 0, 0, 0, 0))(
+        state.params,
+        jax.tree.map(lambda a: split(a, 0), state.hidden),
+        jax.tree.map(lambda a: split(a, 0), state.other),
+        split(xs, 1),
+        split(targets, 1),
+    )
+    pmapped = jax.tree.map(lambda a: a[0], mapped)
+    want = jax.tree.leaves((online_ref, exact_ref))
+    for got in (summed, pmapped):
+        for a, b in zip(jax.tree.leaves(got), want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=TOL)
+
+
+class LoopedLeak(brainstate.nn.Module):
+    """A leaky unit whose transition is a loop or a branch the compiler keeps whole
+    (a 20-step `fori_loop`, a `while_loop`, a `cond` under ``if_convert=False``),
+    with literals in the bodies, and a readout."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = etrax.nn.Linear(3, 4)
+        self.out = etrax.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (4,) if batch_size is None else (batch_size, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
+
+    def update(self, x: Any) -> Any:
+        i, h = self.fc(x), self.h.value
+        if self.kind == "fori":
+            h = jax.lax.fori_loop(0, 20, lambda k, v: 0.95 * v + 0.05 * jnp.tanh(i), h)
+        elif self.kind == "while":
+            _, h = jax.lax.while_loop(
+                lambda c: c[0] < 3, lambda c: (c[0] + 1, 0.9 * c[1] + 0.1), (0, h)
+            )
+            h = h + i
+        else:
+            h = jax.lax.cond(jnp.sum(x) > 0, lambda v: 0.9 * v + i, lambda v: 0.5 * v - i, h)
+        self.h.value = h
+        return self.out(h)
+
+
+@pytest.mark.parametrize("kind", ["fori", "while", "cond"])
+def test_loops_kept_whole_under_shard_map(kind: str) -> None:
+    """A loop or branch that stays whole in the step (its body a jaxpr traced outside
+    the map, literals and all) is re-traced under `jax.shard_map`: online and BPTT
+    gradients equal the single-device ones (the while loop's step is differentiated
+    only where the online rules need it, after the loop)."""
+    policy = etrax.CompilePolicy(if_convert=False)
+
+    def graph(batch: int) -> etrax.ETraceGraph:
+        model, _ = build(LoopedLeak, kind, batch=batch)
+        return etrax.compile_etrace_graph(model, jnp.zeros((batch, 3)), policy=policy)
+
+    full, local = graph(4), graph(2)
+    kept = {e.primitive.name for e in full.module_info.jaxpr.eqns}
+    assert {"fori": "scan", "while": "while", "cond": "cond"}[kind] in kept
+    state = etrax.state_of(full)
+    xs = jax.random.normal(jax.random.PRNGKey(0), (4, 4, 3))
+    targets = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 2))
+    algo = etrax.DRTRL(chunk_steps=2)
+
+    def grads(g: etrax.ETraceGraph, st: etrax.ModelState, xs: Any, targets: Any) -> Any:
+        online, _ = etrax.online_grad(g, algo, st, algo.init(g, st), xs, targets, _mse)
+        if kind == "while":  # JAX cannot reverse-differentiate a while loop: no BPTT
+            return online
+        return online, etrax.bptt_grad(g, st, xs, targets, _mse)[0]
+
+    def shard(params: Any, hidden: Any, other: Any, xs: Any, targets: Any) -> Any:
+        out = grads(local, etrax.ModelState(params, hidden, other), xs, targets)
+        return jax.lax.psum(out, "data")  # type: ignore[no-untyped-call]
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    spec = (P(), P("data"), P("data"), P(None, "data"), P(None, "data"))
+    f = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=spec, out_specs=P()))
+    got = f(state.params, state.hidden, state.other, xs, targets)
+    want = grads(full, state, xs, targets)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=TOL)

@@ -11,8 +11,10 @@ from typing import Any, SupportsIndex
 
 import jax
 import jax.extend.core as jex
+import jax.extend.linear_util as _lu
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero as _SymbolicZero
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "define_primitive",
     "equation_context",
     "equation_location",
+    "eval_jaxpr",
     "exclude_from_locations",
     "inner_closed_jaxprs",
     "is_tracer",
@@ -133,6 +136,25 @@ def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         return _bind(eqn, match_varying(invals))
 
 
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """Evaluate `jaxpr` equation by equation with `bind_equation` (a thin, explicit
+    version of JAX's own evaluator that also casts invariant operands to varying
+    inside `jax.shard_map`, as JAX's `lax` functions do when tracing user code)."""
+    env: dict[Any, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, jex.Literal) else env[atom]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        outs = bind_equation(eqn, [read(a) for a in eqn.invars])
+        for v, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, jex.DropVar):
+                env[v] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
 def _varying_axes(value: Any) -> frozenset[Any] | None:
     try:
         aval = jax.typeof(value)
@@ -194,6 +216,13 @@ def vary_tree(tree: Any, *likes: Any) -> Any:
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    if any(_varying_axes(v) for v in invals):  # inside `jax.shard_map`
+        body = call_body(eqn)
+        if body is not None:  # a nested `jit`: its jaxpr's types predate the map
+            return eval_jaxpr(body.jaxpr, body.consts, *invals)
+        rebind = _REBIND_IN_MAP.get(eqn.primitive.name)
+        if rebind is not None:
+            return rebind(eqn, invals)
     bound = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bound, tuple):  # older JAX: (subfuns, params)
         subfuns, params = bound
@@ -201,6 +230,106 @@ def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         subfuns, params = [], bound
     out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _bind_custom_jvp(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Re-bind a ``custom_jvp_call`` (a surrogate spike, `jax.nn.relu`) inside
+    `jax.shard_map` on inputs that vary over a mesh axis. JAX re-traces the call's
+    function and, when differentiated, its JVP rule from jaxprs made outside the map,
+    whose equations (``x >= 0``) mix varying values with invariant literals; both are
+    re-evaluated here through `eval_jaxpr`, which casts such operands to varying as
+    tracing user code inside the map would have. The custom JVP rule is kept."""
+    params = dict(eqn.params)
+    call = params.pop("call_jaxpr")
+    n_consts = params.pop("num_consts")
+    rule = params.pop("jvp_jaxpr_fun")
+
+    def fun(*args: Any) -> list[Any]:
+        return eval_jaxpr(call.jaxpr, call.consts, *args)
+
+    def jvp(*xs: Any) -> list[Any]:
+        half = len(xs) // 2  # primals then tangents, each led by the call's constants
+        primals, tangents = xs[n_consts:half], xs[half + n_consts :]
+        zeros = [isinstance(t, _SymbolicZero) for t in tangents]
+        # the rule's jaxpr is traced once and memoised on the equation: trace it as
+        # at compile time, outside the map, so that no mesh is baked into it
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            jaxpr, consts, out_zeros = rule.call_wrapped(*zeros)
+        given = [t for t, z in zip(tangents, zeros, strict=True) if not z]
+        out = eval_jaxpr(jaxpr, consts, *primals, *given)
+        out_primals, nonzero = out[: len(out_zeros)], iter(out[len(out_zeros) :])
+        out_tangents = [
+            _SymbolicZero(jax.typeof(p).to_tangent_aval()) if z else next(nonzero)
+            for p, z in zip(out_primals, out_zeros, strict=True)
+        ]
+        return [*out_primals, *out_tangents]
+
+    wrapped = (
+        _lu.wrap_init(fun, debug_info=call.jaxpr.debug_info),
+        _lu.wrap_init(jvp, debug_info=rule.debug_info),
+    )
+    return list(eqn.primitive.bind(*invals, subfuns=wrapped, **params))
+
+
+def _closed_fn(closed: Any, *leading: Any) -> Callable[..., list[Any]]:
+    """`closed` (a `ClosedJaxpr`) as a function of its inputs after `leading`,
+    evaluated with `eval_jaxpr`."""
+
+    def fn(*args: Any) -> list[Any]:
+        return eval_jaxpr(closed.jaxpr, closed.consts, *leading, *args)
+
+    return fn
+
+
+def _bind_scan(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """A ``scan`` kept whole (a long `fori_loop`), re-traced inside `jax.shard_map`
+    through `jax.lax.scan` with its body evaluated by `eval_jaxpr`; the initial carry
+    varies like the inputs, as the body's outputs will."""
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = invals[:n_consts]
+    carry, xs = invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
+    body = _closed_fn(p["jaxpr"], *consts)
+
+    def step(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        out = body(*c, *x)
+        return out[:n_carry], out[n_carry:]
+
+    carry_out, ys = jax.lax.scan(
+        step, vary_tree(list(carry), invals), list(xs), length=p["length"],
+        reverse=p["reverse"], unroll=p["unroll"],
+    )  # fmt: skip
+    return [*carry_out, *ys]
+
+
+def _bind_while(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """A ``while`` re-traced inside `jax.shard_map` through `jax.lax.while_loop`."""
+    p = eqn.params
+    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    cond = _closed_fn(p["cond_jaxpr"], *invals[:n_cond])
+    body = _closed_fn(p["body_jaxpr"], *invals[n_cond : n_cond + n_body])
+    init = vary_tree(list(invals[n_cond + n_body :]), invals)
+    out: list[Any] = jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: body(*c), init)
+    return list(out)
+
+
+def _bind_cond(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """A ``cond`` re-traced inside `jax.shard_map` through `jax.lax.switch`."""
+    branches = [_closed_fn(b) for b in eqn.params["branches"]]
+    return list(jax.lax.switch(invals[0], branches, *invals[1:]))
+
+
+_REBIND_IN_MAP: dict[str, Callable[[Any, Sequence[Any]], list[Any]]] = {
+    "custom_jvp_call": _bind_custom_jvp,
+    "scan": _bind_scan,
+    "while": _bind_while,
+    "cond": _bind_cond,
+}
+"""Equations that hold jaxprs traced outside `jax.shard_map`, re-traced inside it when
+an input varies over a mesh axis (their bodies mix varying and invariant values)."""
 
 
 def exclude_from_locations(*paths: str) -> None:

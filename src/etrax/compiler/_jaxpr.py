@@ -20,6 +20,7 @@ from .._compat import (
     Var,
     bind_equation,
     call_body,
+    eval_jaxpr,
     replace_jaxpr,
     struct_of,
 )
@@ -150,17 +151,7 @@ class VarTable:
 
 def eval_equations(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluate a jaxpr (a thin, explicit version of `jax.core.eval_jaxpr`)."""
-    env: dict[Var, Any] = {}
-    for v, val in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = val
-    for v, val in zip(jaxpr.invars, args, strict=True):
-        env[v] = val
-    for eqn in jaxpr.eqns:
-        outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
-        for v, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, DropVar):
-                env[v] = val
-    return [_read(env, a) for a in jaxpr.outvars]
+    return eval_jaxpr(jaxpr, consts, *args)
 
 
 def _read(env: dict[Var, Any], atom: Any) -> Any:
