@@ -461,7 +461,7 @@ def test_numpy_integer_chunk_steps(make: Any) -> None:
 
 
 def test_numpy_window_traced_decay_and_nested_lists() -> None:
-    """`window` takes a NumPy integer; a decay traced under `jax.jit` is a `TypeError`
+    """`window` takes a NumPy integer or a 0-d integer array (not a float one); a decay traced under `jax.jit` is a `TypeError`
     that says the setting is static; nested lists as sequences get a short message
     that says to convert them (not one entry per number)."""
     model, x = build(etrax.nn.GRUCell, 3, 4)
@@ -474,10 +474,13 @@ def test_numpy_window_traced_decay_and_nested_lists() -> None:
 
     xs, ts = jnp.ones((4, 3)), jnp.zeros((4, 4))
     tr = rule.init(graph, state)
-    a = etrax.online_grad(graph, rule, state, tr, xs, ts, mse, window=np.int64(2)).grads
     b = etrax.online_grad(graph, rule, state, tr, xs, ts, mse, window=2).grads
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(u, v)
+    for given in (np.int64(2), jnp.asarray(2), np.asarray(2)):
+        a = etrax.online_grad(graph, rule, state, tr, xs, ts, mse, window=given).grads
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(u, v)
+    with pytest.raises(ValueError, match="window must be an int"):
+        etrax.online_grad(graph, rule, state, tr, xs, ts, mse, window=jnp.asarray(2.0))
     with pytest.raises(TypeError, match="static"):
         jax.jit(lambda d: etrax.PPProp(d).chunk_steps)(0.9)
     with pytest.raises(etrax.StepInputError, match=r"jnp\.asarray\(xs\)") as info:
@@ -613,3 +616,37 @@ def test_op_arguments_that_do_not_fit_name_the_op() -> None:
             call()
     etrax.einsum("i,io->o", jnp.ones(3), jnp.ones((3, 4)))  # the fitting ones run
     etrax.matmul(jnp.ones(3), jnp.ones((3, 4)), weight_fn=jnp.abs)
+
+
+def test_a_state_of_plain_dicts_in_any_order() -> None:
+    """SPEC's state fields are ``dict[path, value]``: a `ModelState` built from plain
+    dicts, in another order than the graph's, runs every entry point (the fields are
+    rebuilt as `PathDict`s in the graph's order) with the same results, instead of a
+    raw `lax.scan` structure error; a missing path is still a `StepInputError`."""
+    model, x = build(etrax.nn.GRUCell, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    loose = etrax.ModelState(
+        dict(reversed(list(state.params.items()))), dict(state.hidden), dict(state.other)
+    )
+    rule = etrax.DRTRL()
+
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.sum((y - t) ** 2)
+
+    xs, ts = jnp.ones((4, 3)), jnp.zeros((4, 4))
+    for s_given in (state, loose):
+        assert isinstance(etrax.step(graph, s_given, x)[1].params, etrax.PathDict)
+    want, got = (
+        (
+            etrax.step(graph, s, x)[0],
+            etrax.bptt_grad(graph, s, xs, ts, mse).grads,
+            etrax.online_grad(graph, rule, s, rule.init(graph, s), xs, ts, mse).grads,
+        )
+        for s in (state, loose)
+    )
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(u, v)
+    short = etrax.ModelState(dict(list(state.params.items())[1:]), state.hidden, state.other)
+    with pytest.raises(etrax.StepInputError, match="missing"):
+        etrax.bptt_grad(graph, short, xs, ts, mse)

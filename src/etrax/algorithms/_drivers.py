@@ -1252,12 +1252,17 @@ def online_grad(
         raise ValueError(
             "online_grad needs the hidden perturbation: compile with include_hidden_perturb=True"
         )
-    fast_check_state(graph, state)
+    state = fast_check_state(graph, state)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be True or False, got {has_aux!r}")
     T = _check_sequences(graph, xs, targets, loss_fn)
     w: object = window
-    if isinstance(w, np.integer):  # a NumPy integer (from a config array, say) is an int
+    if isinstance(w, np.integer) or (  # a NumPy or concrete 0-d JAX integer is an int
+        isinstance(w, np.ndarray | jax.Array)
+        and not isinstance(w, jax.core.Tracer)
+        and w.shape == ()
+        and jnp.issubdtype(w.dtype, jnp.integer)
+    ):
         w = int(w)
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
         raise ValueError(f"window must be an int in [1, T={T}], got {window!r}")
@@ -1421,7 +1426,7 @@ def online_evolve(
     if not isinstance(algo, OnlineAlgorithm):
         raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
     xs = _cast_sequence(graph, xs)
-    fast_check_state(graph, state)
+    state = fast_check_state(graph, state)
     leaves = jax.tree.leaves(xs)
     if not leaves or any(jnp.ndim(a) == 0 for a in leaves):
         raise StepInputError("xs needs a leading time axis (one slice per step)")
@@ -1476,7 +1481,7 @@ def bptt_grad(
     require_graph(graph, "bptt_grad")
     loss_fn = keyed(loss_fn)
     xs = _cast_sequence(graph, xs)
-    fast_check_state(graph, state)
+    state = fast_check_state(graph, state)
     _check_sequences(graph, xs, targets, loss_fn)
     key = ("bptt", _avals(xs), _avals(targets), loss_fn)
     if not _seen(graph, key):

@@ -85,7 +85,7 @@ def evaluate(graph: ETraceGraph, state: ModelState, xs: Any) -> Evaluation:
     """
     require_graph(graph, "evaluate")
     xs = _cast_sequence(graph, xs)
-    fast_check_state(graph, state)
+    state = fast_check_state(graph, state)
     leaves = jax.tree.leaves(xs)
     if not leaves or any(jnp.ndim(a) == 0 for a in leaves):
         raise StepInputError("xs needs a leading time axis (one slice per step): (T, ...)")

@@ -242,7 +242,7 @@ class LearningRule(OnlineAlgorithm[TraceT]):
 
     def init(self, graph: ETraceGraph, state: ModelState) -> TraceT:
         require_graph(graph, f"{self.name}.init")
-        fast_check_state(graph, state)
+        state = fast_check_state(graph, state)
         check_relations(graph, self.name)
         if self.factorisation.reads_transition:
             self.scope.check(graph)

@@ -42,12 +42,24 @@ class ModelState(eqx.Module):
     - `other`: ``path → value`` of every other state the step reads or writes.
 
     Each field is a `PathDict` in the graph's state order, so states, gradients
-    and optimiser updates share one tree structure.
+    and optimiser updates share one tree structure. Any other mapping given (a plain
+    ``dict``) becomes a `PathDict` of its items; the entry points put the fields in
+    the graph's order.
     """
 
     params: PathDict[ArrayTree]
     hidden: PathDict[_Hidden]
     other: PathDict[ArrayTree]
+
+    def __init__(
+        self,
+        params: Mapping[Path, ArrayTree],
+        hidden: Mapping[Path, _Hidden],
+        other: Mapping[Path, ArrayTree],
+    ) -> None:
+        self.params = params if isinstance(params, PathDict) else PathDict(params)
+        self.hidden = hidden if isinstance(hidden, PathDict) else PathDict(hidden)
+        self.other = other if isinstance(other, PathDict) else PathDict(other)
 
     def value(self, path: Path) -> ArrayTree:
         """The value of the state at `path`, whichever field holds it."""
@@ -281,12 +293,26 @@ def check_sequence_length(length: int) -> None:
         )
 
 
-def fast_check_state(graph: ETraceGraph, state: ModelState) -> None:
-    """`check_state`, with a fast path for the common correct case."""
+def fast_check_state(graph: ETraceGraph, state: ModelState) -> ModelState:
+    """`check_state`, with a fast path for the common correct case; returns `state`
+    with each field a `PathDict` in the graph's state order (a field given as another
+    mapping, a plain ``dict`` say, in any order, is rebuilt), the structure every
+    compiled program expects."""
     sig = signature(graph)
     leaves, treedef = jax.tree.flatten(state)
-    if treedef != sig.state_treedef or not _leaves_match(leaves, sig.state_avals):
-        check_state(graph, state)
+    if treedef == sig.state_treedef and _leaves_match(leaves, sig.state_avals):
+        return state
+    check_state(graph, state)
+    mi = graph.module_info
+
+    def ordered(kind: StateKind, d: Mapping[Path, Any]) -> PathDict[Any]:
+        return PathDict((info.path, d[info.path]) for info in mi.states_of(kind))
+
+    return ModelState(
+        ordered(StateKind.WEIGHT, state.params),
+        ordered(StateKind.HIDDEN, state.hidden),
+        ordered(StateKind.OTHER, state.other),
+    )
 
 
 def cast_inputs(graph: ETraceGraph, args: Any, leading: int = 0) -> Any:
@@ -325,13 +351,15 @@ def fast_check_inputs(graph: ETraceGraph, args: tuple[Any, ...]) -> None:
         check_inputs(graph, args)
 
 
-def fast_check(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> None:
-    """`check_state` and `check_inputs`, with a fast path for the common correct case."""
-    fast_check_state(graph, state)
+def fast_check(graph: ETraceGraph, state: ModelState, args: tuple[Any, ...]) -> ModelState:
+    """`check_state` and `check_inputs`, with a fast path for the common correct case;
+    returns the state as `fast_check_state` does."""
+    state = fast_check_state(graph, state)
     sig = signature(graph)
     a_leaves, a_def = jax.tree.flatten(args)
     if a_def != sig.in_tree or not _leaves_match(a_leaves, sig.in_avals):
         check_inputs(graph, args)
+    return state
 
 
 def check_state(graph: ETraceGraph, state: ModelState) -> None:

@@ -27,6 +27,7 @@ from ._state import (
     check_sequence_length,
     check_state,
     fast_check,
+    fast_check_state,
     flat_state,
     require_graph,
 )
@@ -301,19 +302,20 @@ _forward_jit = jax.jit(forward_pure, static_argnums=0)
 _step_jit = jax.jit(step_pure, static_argnums=(0, 3))
 
 
-def _validate(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[Any, ...]:
+def _validate(
+    graph: ETraceGraph, state: ModelState, x: Any
+) -> tuple[ModelState, tuple[Any, ...]]:
     require_graph(graph, "the step")
     state_obj: object = state
     if not isinstance(state_obj, ModelState):
         check_state(graph, state)
     args: tuple[Any, ...] = cast_inputs(graph, as_args(graph, x))
-    fast_check(graph, state, args)
-    return args
+    return fast_check(graph, state, args), args
 
 
 def forward(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[PyTree, ModelState]:
     """Run one step without Jacobians: ``(y, new state)`` (the forward-only floor)."""
-    args = _validate(graph, state, x)
+    state, args = _validate(graph, state, x)
     out, new = _forward_jit(graph, state, args)
     return out, new
 
@@ -343,7 +345,7 @@ def step(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[PyTree, ModelSt
         jac.D[0].shape   # (*varshape, S, S)
         ```
     """
-    args = _validate(graph, state, x)
+    state, args = _validate(graph, state, x)
     out, new, jac = _step_jit(graph, state, args, False)
     return out, new, jac
 
@@ -356,7 +358,7 @@ def step_vjp(
         raise ValueError(
             "step_vjp needs the hidden perturbation: compile with include_hidden_perturb=True"
         )
-    args = _validate(graph, state, x)
+    state, args = _validate(graph, state, x)
     out, new, jac, pullback = _step_jit(graph, state, args, True)
     return out, new, jac, pullback
 
@@ -396,7 +398,7 @@ def multi_step(
     **Returns:** stacked outputs ``(T, ...)``, the final state, and `StepJacobians`
     whose arrays carry a leading ``T``.
     """
-    check_state(graph, state)
+    state = fast_check_state(graph, state)
     _, args = _check_sequence(graph, xs)
     outs, final, jacs = _multi_jit(graph, state, args)
     return outs, final, jacs
