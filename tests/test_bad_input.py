@@ -461,9 +461,10 @@ def test_numpy_integer_chunk_steps(make: Any) -> None:
 
 
 def test_numpy_window_traced_decay_and_nested_lists() -> None:
-    """`window` takes a NumPy integer or a 0-d integer array (not a float one); a decay traced under `jax.jit` is a `TypeError`
-    that says the setting is static; nested lists as sequences get a short message
-    that says to convert them (not one entry per number)."""
+    """`window` takes a NumPy integer or a 0-d integer array (not a float one); a decay
+    traced under `jax.jit` is a `TypeError` that says the setting is static; nested
+    lists as sequences get a short message that says to convert them (not one entry
+    per number)."""
     model, x = build(etrax.nn.GRUCell, 3, 4)
     graph = etrax.compile_etrace_graph(model, x)
     state = etrax.state_of(graph)
