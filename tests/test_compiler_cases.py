@@ -710,3 +710,164 @@ def test_groups_read_in_their_step_or_the_next_are_not_reported() -> None:
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
     assert not graph.explain(kind=K.HIDDEN_GROUP_NOT_READ)
+
+
+class CarriedPrevious(brainstate.nn.Module):
+    """``h ← 0.5 h + 0.4 prev + tanh(x W + b)``, ``prev ← h``: the previous value kept
+    in a state of class `keeper` (a ShortTermState, or a HiddenState, which joins
+    `h`'s group), optionally also the readout's previous output (`feedback`)."""
+
+    def __init__(self, keeper: type, feedback: bool = False) -> None:
+        super().__init__()
+        self.keeper, self.feedback = keeper, feedback
+        self.fc = etrax.nn.Linear(3, 4)
+        self.out = etrax.nn.Linear(4, 4)
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        lead = () if batch_size is None else (batch_size,)
+        self.h = brainstate.HiddenState(jnp.zeros((*lead, 4)))
+        self.prev = self.keeper(jnp.zeros((*lead, 4)))
+        self.count = brainstate.ShortTermState(jnp.zeros((), jnp.int32))
+        self.last_x = brainstate.ShortTermState(jnp.zeros((*lead, 3)))
+
+    def update(self, x: Any) -> Any:
+        h = 0.5 * self.h.value + 0.4 * self.prev.value + jnp.tanh(self.fc(x))
+        h = h + 0.1 * jnp.sum(self.last_x.value, -1, keepdims=True)  # a carried input
+        y = self.out(h)
+        self.h.value = h
+        self.prev.value = y if self.feedback else h
+        self.count.value = self.count.value + 1  # a counter: nothing to differentiate
+        self.last_x.value = x
+        return y
+
+
+def _mse(y: Any, t: Any) -> Any:
+    return jnp.sum((y - t) ** 2)
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["previous_h", "previous_output"])
+def test_a_state_that_carries_weight_influence_is_reported(feedback: bool) -> None:
+    """A ShortTermState written from values that weights reach and read again at the
+    next step is a route no online rule follows: a `carried_state_route` warning
+    names it and the weights (the readout too when its output is fed back), the
+    report marks the traced weight approximate, and D-RTRL indeed differs from BPTT
+    after two steps. The advice works: the same model with a HiddenState is exact
+    (the state joins the group) and gets no warning. A carried input and an integer
+    counter are not routes."""
+    xs = jax.random.normal(jax.random.PRNGKey(0), (5, 3))
+    targets = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    errors = {}
+    for keeper in (brainstate.ShortTermState, brainstate.HiddenState):
+        model = CarriedPrevious(keeper, feedback)
+        brainstate.nn.init_all_states(model)
+        graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+        records = graph.explain(kind=K.CARRIED_STATE_ROUTE)
+        state = etrax.state_of(graph)
+        rule = etrax.DRTRL()
+        online, _ = etrax.online_grad(
+            graph, rule, state, rule.init(graph, state), xs, targets, _mse
+        )
+        exact = bptt_grads(model, state, xs, targets, _mse)
+        errors[keeper] = max(
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(
+                jax.tree.leaves(online[("fc", "weight")]),
+                jax.tree.leaves(exact[("fc", "weight")]),
+                strict=True,
+            )
+        )
+        if keeper is brainstate.HiddenState:
+            assert not records
+            continue
+        (rec,) = records  # neither the carried input nor the counter
+        assert rec.level is etrax.DiagnosticLevel.WARNING
+        assert rec.hidden_paths == (("prev",),)
+        weights = set(rec.context_dict["weight_paths"])
+        assert ("fc", "weight") in weights
+        assert (("out", "weight") in weights) == feedback
+        text = graph.report().to_str(1)
+        assert "('prev',)  [carries the influence of" in text
+        assert "see carried_state_route" in text.split("Weights traced online:")[1]
+    assert errors[brainstate.ShortTermState] > 1e-3  # the route the warning names
+    if not feedback:  # `prev` joins `h`'s group: every route is in D
+        assert errors[brainstate.HiddenState] < 1e-10
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batched"])
+def test_two_hidden_states_holding_one_value(batch: int | None) -> None:
+    """``h`` and ``prev`` both set to the same new value (one jaxpr variable): the
+    step's outputs read it once, so its learning signal is counted once. It was
+    counted per state, doubling every online gradient of the traced weight at T = 1.
+    Now every rule equals BPTT at T = 1 and D-RTRL equals it over 5 steps (the two
+    states form one group whose D holds every route)."""
+    model, x = build(CarriedPrevious, brainstate.HiddenState, batch=batch)
+    graph = etrax.compile_etrace_graph(model, x)
+    (group,) = graph.hidden_groups
+    assert group.hidden_paths == (("h",), ("prev",))
+    assert len({v for v in group.hidden_outvars}) == 1  # one variable, two states
+    state = etrax.state_of(graph)
+    shape = (5, *jnp.shape(x))
+    xs = jax.random.normal(jax.random.PRNGKey(0), shape)
+    targets = jax.random.normal(jax.random.PRNGKey(1), (5, *shape[1:-1], 4))
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for T, algos in ((1, rules), (5, rules[:1])):
+        exact = bptt_grads(model, state, xs[:T], targets[:T], _mse)
+        for algo in algos:
+            got, _ = etrax.online_grad(
+                graph, algo, state, algo.init(graph, state), xs[:T], targets[:T], _mse
+            )
+            for path in exact:
+                for a, b in zip(
+                    jax.tree.leaves(got[path]), jax.tree.leaves(exact[path]), strict=True
+                ):
+                    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=str(path))
+
+
+def test_the_default_report_marks_a_constant_recurrent_product() -> None:
+    """The relation into a group whose recurrence holds a product with a constant
+    matrix is marked approximate in the level-1 report (not only in the warnings),
+    and the report counts the warnings."""
+    model = ConstantRecurrence(jnp.diag(jnp.array([0.5, 0.6, 0.7, 0.8])), False)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    text = str(graph.report())
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("Weight 0: ('W',)")]
+    assert "see recurrent_constant_product" in line
+    assert "warning(s): report().to_str(2)" in text
+
+
+def test_a_stacked_layer_is_marked_as_the_diagonal_approximation() -> None:
+    """Two leaky layers: layer 1's weight is traced, but layer 2's memory carries its
+    influence on; the report says so (`cross_group_route`, information), and indeed
+    D-RTRL differs from BPTT for it, while layer 2's own weight is exact."""
+
+    class TwoLeaky(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = LeakyLinear(3, 4), LeakyLinear(4, 4)
+
+        def update(self, x: Any) -> Any:
+            return self.l2(self.l1(x))
+
+    model, x = build(TwoLeaky)
+    graph = etrax.compile_etrace_graph(model, x)
+    (rec,) = graph.explain(kind=K.CROSS_GROUP_ROUTE)
+    assert rec.weight_path == ("l1", "fc", "weight")
+    assert rec.context_dict["hidden_group_indices"] == (0, 1)
+    lines = str(graph.report()).splitlines()
+    (l1,) = [ln for ln in lines if "Weight 0: ('l1', 'fc', 'weight') via" in ln]
+    (l2,) = [ln for ln in lines if "Weight 1: ('l2', 'fc', 'weight') via" in ln]
+    assert "see cross_group_route" in l1 and "(" not in l2.split("->")[1]
+    xs = jax.random.normal(jax.random.PRNGKey(0), (5, 3))
+    targets = jax.random.normal(jax.random.PRNGKey(1), (5, 4))
+    state = etrax.state_of(graph)
+    rule = etrax.DRTRL()
+    online, _ = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, targets, _mse)
+    exact = bptt_grads(model, state, xs, targets, _mse)
+
+    def err(path: Any) -> float:
+        pairs = zip(jax.tree.leaves(online[path]), jax.tree.leaves(exact[path]), strict=True)
+        return max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
+
+    assert err(("l1", "fc", "weight")) > 1e-3
+    assert err(("l2", "fc", "weight")) < 1e-10

@@ -120,7 +120,12 @@ def test_stacked_gru_with_readout() -> None:
         (K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT, ("l2", "Wr", "weight")),
         (K.RELATION_INCLUDED, ("l2", "Wh", "weight")),
         (K.RELATION_EXCLUDED_NON_TEMPORAL, ("out", "weight")),
+        (K.CROSS_GROUP_ROUTE, ("l1", "Wz", "weight")),  # layer 1 feeds layer 2's memory
     ]
+    (cross,) = graph.explain(kind=K.CROSS_GROUP_ROUTE)
+    assert cross.level is etrax.DiagnosticLevel.INFO
+    assert cross.context_dict["weight_paths"] == (("l1", "Wz", "weight"), ("l1", "Wh", "weight"))
+    assert cross.context_dict["hidden_group_indices"] == (0, 1)
     excluded = dict(graph.report().excluded_weights)
     assert excluded == {
         ("l1", "Wr", "weight"): "relation_excluded_weight_to_weight",

@@ -360,7 +360,7 @@ def equation_location(eqn: Any) -> str:
     try:
         from jax._src import source_info_util
 
-        return str(source_info_util.summarize(eqn.source_info))
+        return str(source_info_util.summarize(eqn.source_info)) or "<unknown location>"
     except Exception:  # pragma: no cover - depends on the JAX version
         return "<unknown location>"
 

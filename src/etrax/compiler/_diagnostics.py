@@ -49,9 +49,11 @@ class DiagnosticKind(enum.StrEnum):
     GROUP_VARSHAPE_CONFLICT = "group_varshape_conflict"
     HIDDEN_STATE_NOT_FLOAT = "hidden_state_not_float"
     HIDDEN_GROUP_NOT_READ = "hidden_group_not_read"
+    CROSS_GROUP_ROUTE = "cross_group_route"
     # states and structure
     STATE_MISMATCH = "state_mismatch"
     DYNAMIC_STATE = "dynamic_state"
+    CARRIED_STATE_ROUTE = "carried_state_route"
     PARAM_STATE_WRITE = "param_state_write"
     WEIGHT_NOT_FLOAT = "weight_not_float"
     PRIMITIVE_INSIDE_CONTROL_FLOW = "primitive_inside_control_flow"

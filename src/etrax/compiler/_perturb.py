@@ -447,11 +447,14 @@ class _Run:
 
     def node(self, v: Var) -> None:
         """At a new hidden value: drop the effects its group's programs already count,
-        and add the group's perturbation."""
+        and add the group's perturbation. A value that is the new value of several
+        hidden states (``prev = h`` as well as ``h``) gets the first one's only: the
+        step's outputs read it once, so ``∂L/∂v`` goes to that state, and the others'
+        signals are zero (their traces equal its own, so the gradient is counted once)."""
         b = self.b
         g = b.node_group[v]
         dtype = jnp.result_type(self.orig[v])
-        added = [self.perturbs[k].astype(dtype) for k in b.node_of[v]]
+        added = [self.perturbs[k].astype(dtype) for k in b.node_of[v][:1]]
         p = self.orig[v]
         for a in added:
             p = p + a

@@ -707,6 +707,7 @@ def relate(grouped: GroupedModule) -> RelatedModule:
     uses = find_uses(minfo, ctx.table, status)
     records.extend(_plain_use_records(uses))
     records.extend(_unread_group_records(ctx, groups, relations))
+    records.extend(_later_route_records(ctx, groups, relations))
     return RelatedModule(
         module_info=minfo,
         hidden_groups=groups,
@@ -786,6 +787,99 @@ def _unread_group_records(
                 hidden_paths=g.hidden_paths,
                 hidden_group_indices=(g.index,),
                 weight_paths=weights,
+            )
+        )
+    return out
+
+
+def _later_route_records(
+    ctx: _Context, groups: Sequence[HiddenGroup], relations: Sequence[HiddenParamOpRelation]
+) -> list[CompilationRecord]:
+    """The routes from one step to later ones that no trace follows:
+
+    - a state that is not a HiddenState (a ``ShortTermState`` holding the previous
+      output, a delay buffer) written from values that weights or hidden states
+      reach, and read again by a step whose hidden states or outputs its old value
+      reaches (a warning: no online rule carries anything through it);
+    - a hidden group whose new values reach another group's within the step (a stack
+      of layers), where that group's memory carries them on (information: the
+      weights traced into the first group miss those later terms, the standard
+      approximation of the diagonal rules for stacked layers).
+    """
+    jaxpr = ctx.table.jaxpr
+    var = ctx.table.var
+    ends = [v for v in jaxpr.outvars[: ctx.minfo.num_var_out] if isinstance(v, Var)]
+    ends += list(ctx.hidden_outvars)
+    read = _differentiable_ancestors(ctx, [v for v in ends if _is_float(v)], set())
+    member = {var(v): g.index for g in groups for v in g.hidden_invars}
+    member.update({var(v): g.index for g in groups for v in g.hidden_outvars if v is not None})
+    traced_into = {
+        g.index: tuple(dict.fromkeys(p for r in relations if g.index in r.hidden_groups
+                                     for p in r.weight_paths))
+        for g in groups
+    }  # fmt: skip
+    out: list[CompilationRecord] = []
+    for s in ctx.minfo.other_states:
+        news = [var(v) for v in s.outvars if v is not None]
+        olds = [var(v) for v in s.invars]
+        news = [v for v in news if _is_float(v) and v not in olds]
+        if not s.written or not news or not any(v in read for v in olds):
+            continue
+        up = _differentiable_ancestors(ctx, news, set())
+        via = sorted({member[v] for v in up if v in member})
+        weights = tuple(
+            dict.fromkeys(
+                [ctx.leaf_of[v][0] for v in up if v in ctx.leaf_of]
+                + [p for g in via for p in traced_into[g]]
+            )
+        )
+        if not weights:
+            continue
+        out.append(
+            record(
+                DiagnosticKind.CARRIED_STATE_ROUTE,
+                DiagnosticLevel.WARNING,
+                f"{s.type_name} {s.path} is not a HiddenState, but it carries values that "
+                f"weights {list(weights)} influence"
+                + (f" (through hidden groups {via})" if via else "")
+                + " to the next step, whose hidden states or outputs read it. No online rule "
+                "follows this route through time, so their gradients miss its later-step "
+                "terms (exact at T = 1). Make it a brainstate.HiddenState to trace it, or "
+                "train with online_grad(..., window=k) (exact over k steps) or BPTT.",
+                weight_path=weights[0],
+                hidden_paths=(s.path,),
+                weight_paths=weights,
+                hidden_group_indices=tuple(via),
+            )
+        )
+    for g in groups:
+        if not traced_into[g.index]:
+            continue
+        starts = [var(v) for v in g.hidden_outvars if v is not None]
+        reached: set[int] = set()
+        for h in groups:
+            if h.index == g.index:
+                continue
+            ends = [var(v) for v in h.hidden_outvars if v is not None and _is_float(var(v))]
+            carried = any(var(v) in read for v in h.hidden_invars)
+            if ends and carried and set(starts) & _differentiable_ancestors(ctx, ends, set()):
+                reached.add(h.index)
+        if not reached:
+            continue
+        out.append(
+            record(
+                DiagnosticKind.CROSS_GROUP_ROUTE,
+                DiagnosticLevel.INFO,
+                f"hidden group {g.index} ({list(g.hidden_paths)}) feeds hidden groups "
+                f"{sorted(reached)} within the step, and their own memory carries that "
+                "influence to later steps, which the traces of the weights traced into group "
+                f"{g.index} ({list(traced_into[g.index])}) do not follow: for them D-RTRL is "
+                "the diagonal approximation of stacked layers (each layer's learning signal "
+                "is its instantaneous one). online_grad(..., window=k) is exact over k steps.",
+                weight_path=traced_into[g.index][0],
+                hidden_paths=g.hidden_paths,
+                weight_paths=traced_into[g.index],
+                hidden_group_indices=(g.index, *sorted(reached)),
             )
         )
     return out

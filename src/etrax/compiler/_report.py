@@ -3,7 +3,7 @@
 from typing import TextIO
 
 from .._typing import Path
-from ._diagnostics import DiagnosticKind, DiagnosticLevel
+from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
 from ._graph import ETraceGraph, WeightRule
 
 __all__ = ["CompilationReport"]
@@ -72,15 +72,22 @@ class CompilationReport:
                 f"positions {grp.varshape}{note}"
             )
         lines.append("")
+        carried = {
+            p: dict(r.context).get("weight_paths", ())
+            for r in g.explain(kind=DiagnosticKind.CARRIED_STATE_ROUTE)
+            for p in r.hidden_paths
+        }
         if self.dynamic_states:
             lines.append("States carried across steps but not traced:")
             for i, p in enumerate(self.dynamic_states):
-                lines.append(f"   State {i}: {p}")
+                note = (
+                    f"  [carries the influence of {list(carried[p])} to the next step: "
+                    "see carried_state_route]"
+                    if p in carried
+                    else ""
+                )
+                lines.append(f"   State {i}: {p}{note}")
             lines.append("")
-        unread = {
-            i for r in g.explain(kind=DiagnosticKind.HIDDEN_GROUP_NOT_READ)
-            for i in dict(r.context).get("hidden_group_indices", ())
-        }  # fmt: skip
         if g.hidden_param_op_relations:
             lines.append("Weights traced online:")
             for rel in g.hidden_param_op_relations:
@@ -90,16 +97,8 @@ class CompilationReport:
                     if len(groups) == 1
                     else f"hidden groups {list(groups)}"
                 )
-                extra = ""
-                if set(groups) <= unread:
-                    extra = (
-                        "  (no learning signal: the group reaches the outputs only in later "
-                        "steps; see hidden_group_not_read)"
-                    )
-                elif rel.partial_path:
-                    extra = "  (partial: an indirect path is not traced)"
-                elif any(not t.is_diagonal for t in rel.tails):
-                    extra = "  (approximate: the path to the hidden state mixes positions)"
+                caveats = "; ".join(self._relation_notes(rel.index))
+                extra = f"  ({caveats})" if caveats else ""
                 name = rel.primitive.name
                 lines.append(
                     f"   Weight {rel.index}: {rel.weight_path} via {name} -> {where}{extra}"
@@ -127,6 +126,12 @@ class CompilationReport:
             lines.extend(f"   {path}" for path in rules if path in unused)
             lines.append("")
         lines.extend(self._parameter_lines())
+        warnings = sum(r.level is DiagnosticLevel.WARNING for r in g.diagnostics)
+        if level < 2 and warnings:
+            lines.append(
+                f"{warnings} warning(s): report().to_str(2) or graph.explain() lists them."
+            )
+            lines.append("")
         if level >= 2:
             notable = [r for r in g.diagnostics if r.level is not DiagnosticLevel.INFO]
             if notable:
@@ -135,6 +140,55 @@ class CompilationReport:
                     lines.append(f"   [{r.level.value}] {r.kind.value}: {r.message}")
                 lines.append("")
         return "\n".join(lines) + "\n"
+
+    def _relation_notes(self, index: int) -> list[str]:
+        """Why relation `index`'s traces are not its weight's whole gradient, if so:
+        each note names the diagnostic that explains it."""
+        g = self.graph
+        rel = g.hidden_param_op_relations[index]
+        groups = set(rel.hidden_groups)
+        members = {p for grp in g.hidden_groups if grp.index in groups for p in grp.hidden_paths}
+
+        def context(r: CompilationRecord, key: str) -> tuple[object, ...]:
+            found: tuple[object, ...] = dict(r.context).get(key, ())
+            return found
+
+        unread = {
+            i for r in g.explain(kind=DiagnosticKind.HIDDEN_GROUP_NOT_READ)
+            for i in context(r, "hidden_group_indices")
+        }  # fmt: skip
+        notes: list[str] = []
+        if groups <= unread:
+            notes.append(
+                "no learning signal: the group reaches the outputs only in later steps; see "
+                "hidden_group_not_read"
+            )
+        if rel.partial_path:
+            notes.append("partial: an indirect path is not traced")
+        if any(not t.is_diagonal for t in rel.tails):
+            notes.append("approximate: the path to the hidden state mixes positions")
+        if any(
+            members & set(r.hidden_paths)
+            for r in g.explain(kind=DiagnosticKind.RECURRENT_CONSTANT_PRODUCT)
+        ):
+            notes.append(
+                "approximate: a product in the recurrence is left out of D; see "
+                "recurrent_constant_product"
+            )
+        for r in g.explain(kind=DiagnosticKind.CARRIED_STATE_ROUTE):
+            if rel.weight_path in context(r, "weight_paths"):
+                notes.append(
+                    f"approximate: {r.hidden_paths[0]} carries its influence to later steps; "
+                    "see carried_state_route"
+                )
+        for r in g.explain(kind=DiagnosticKind.CROSS_GROUP_ROUTE):
+            indices = context(r, "hidden_group_indices")
+            if indices and indices[0] in groups:
+                notes.append(
+                    f"diagonal approximation: its group feeds hidden groups {list(indices[1:])}; "
+                    "see cross_group_route"
+                )
+        return notes
 
     def _parameter_lines(self) -> list[str]:
         """Every ParamState, its rule, and each of its uses with its own rule."""
