@@ -651,3 +651,56 @@ def test_a_state_of_plain_dicts_in_any_order() -> None:
     short = etrax.ModelState(dict(list(state.params.items())[1:]), state.hidden, state.other)
     with pytest.raises(etrax.StepInputError, match="missing"):
         etrax.bptt_grad(graph, short, xs, ts, mse)
+
+
+class WhileSubsteps(brainstate.nn.Module):
+    """Three Euler sub-steps in a `lax.while_loop` (the weight read outside it), whose
+    result also reaches the output: the untraced route from the weight's product to
+    the output crosses the loop, which reverse mode cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(0.7 * jax.random.normal(jax.random.PRNGKey(0), (3, 4)))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.v = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: ArrayLike) -> Array:
+        cur = jnp.asarray(x) @ self.w.value
+        _, v = jax.lax.while_loop(
+            lambda c: c[0] < 3,
+            lambda c: (c[0] + 1, c[1] + 0.25 * (-c[1] + 2.0 * jnp.tanh(cur))),
+            (0, self.v.value),
+        )
+        self.v.value = 0.9 * v
+        return jnp.tanh(v)
+
+
+def test_a_while_loop_on_a_differentiated_route_is_a_typed_error() -> None:
+    """JAX cannot reverse-differentiate a `lax.while_loop`: when the gradient's route
+    crosses one, every driver raises a `NotSupportedError` that names the loop and
+    says to write `fori_loop` or `scan`, instead of JAX's error from deep inside."""
+    model = WhileSubsteps()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.ones(3))
+    etrax.step(graph, etrax.state_of(graph), jnp.ones(3))  # the step itself runs
+    state = etrax.state_of(graph)
+    xs, ts = jnp.ones((2, 3)), jnp.zeros((2, 4))
+
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.sum((y - t) ** 2)
+
+    def online(algo: etrax.OnlineAlgorithm[Any]) -> Any:
+        return etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ts, mse)
+
+    calls: list[Callable[[], Any]] = [
+        lambda: etrax.bptt_grad(graph, state, xs, ts, mse),
+        *(
+            functools.partial(online, algo)
+            for algo in (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5))
+        ),
+        lambda: etrax.compile(model, etrax.DRTRL(), jnp.ones(3)).etrace_grad(xs, ts, mse),
+    ]
+    for call in calls:
+        with pytest.raises(etrax.NotSupportedError, match=r"while_loop \(at .*test_bad_input"):
+            call()

@@ -5,7 +5,7 @@ import contextlib
 import functools
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -29,13 +29,14 @@ from .._compat import (
     Literal,
     aval_of,
     bind_equation,
+    equation_location,
     not_differentiable,
     shape_struct,
     struct_of,
     vary_like,
     vary_tree,
 )
-from .._errors import CompilationError, StepInputError
+from .._errors import CompilationError, NotSupportedError, StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
 from ..compiler import ETraceGraph, WeightRule
@@ -1292,11 +1293,40 @@ def online_grad(
             )
         _check_loss(graph, targets, loss_fn, has_aux)
         _remember(graph, key)
-    grads, aux = _online_jit(
-        graph, loss_fn, win, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
-    )
+    with _reverse_mode_explained(graph, "online_grad"):
+        grads, aux = _online_jit(
+            graph, loss_fn, win, algo, state, traces, xs, targets, modulators, synthesiser, has_aux
+        )
     aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
     return OnlineResult(grads, cast("OnlineAux[TraceT]", aux))
+
+
+@contextlib.contextmanager
+def _reverse_mode_explained(graph: ETraceGraph, what: str) -> Iterator[None]:
+    """Turn JAX's refusal to reverse-differentiate a ``lax.while_loop`` of the step
+    into a `NotSupportedError` that names the loops and says what to write instead."""
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        if "Reverse-mode differentiation" not in text or "while_loop" not in text:
+            raise
+        loops = [
+            equation_location(eqn)
+            for eqn in graph.module_info.jaxpr.eqns
+            if eqn.primitive.name == "while"
+        ]
+        where = f" (at {', '.join(loops)})" if loops else ""
+        raise NotSupportedError(
+            f"{what} differentiates the step in reverse mode through a lax.while_loop"
+            f"{where}, which JAX cannot do for a loop whose length is not fixed. Write it "
+            "as lax.fori_loop with Python-int bounds, or lax.scan, which reverse mode can "
+            "cross; or keep it off the routes the gradient takes: the online rules "
+            "differentiate, at each step, only the routes from the new hidden values and "
+            "the untraced weight uses to the step's outputs (a loop that only computes a "
+            "new hidden value from the old ones is fine for them; BPTT and windows "
+            "differentiate every route)."
+        ) from e
 
 
 _ONLINE_NOT_DIFFERENTIABLE = (
@@ -1487,6 +1517,7 @@ def bptt_grad(
     if not _seen(graph, key):
         _check_loss(graph, targets, loss_fn)
         _remember(graph, key)
-    grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets)
+    with _reverse_mode_explained(graph, "bptt_grad"):
+        grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets)
     aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
     return BPTTResult(grads, cast(BPTTAux, aux))
