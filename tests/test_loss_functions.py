@@ -93,3 +93,27 @@ def test_python_and_numpy_numbers_from_a_loss(rule: Any) -> None:
         res = etrax.online_grad(graph, rule, state, tr, xs, ts, lambda y, t, c=constant: c)
         np.testing.assert_array_equal(res.losses, np.full(5, 0.5))
         assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(res.grads))
+
+
+def test_bptt_grad_takes_a_loss_with_aux_data_as_online_grad_does() -> None:
+    """`bptt_grad(..., has_aux=True)`: the loss returns ``(loss, aux)``; the gradient is
+    the plain loss's and the per-step aux comes back stacked, as from `online_grad`."""
+    graph, state, xs, ts = _setup()
+
+    def with_aux(y: Any, t: Any) -> Any:
+        return _mse(y, t), {"peak": jnp.max(y)}
+
+    plain = etrax.bptt_grad(graph, state, xs, ts, _mse)
+    res = etrax.bptt_grad(graph, state, xs, ts, with_aux, has_aux=True)
+    for a, b in zip(jax.tree.leaves(res.grads), jax.tree.leaves(plain.grads), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(res.losses, plain.losses)
+    rule = etrax.DRTRL()
+    online = etrax.online_grad(
+        graph, rule, state, rule.init(graph, state), xs, ts, with_aux, has_aux=True
+    )
+    assert isinstance(res.loss_aux, dict) and isinstance(online.loss_aux, dict)
+    np.testing.assert_allclose(res.loss_aux["peak"], online.loss_aux["peak"], rtol=1e-12)
+    assert plain.loss_aux is None
+    with pytest.raises(TypeError, match="has_aux"):
+        etrax.bptt_grad(graph, state, xs, ts, _mse, has_aux=1)  # type: ignore[arg-type]

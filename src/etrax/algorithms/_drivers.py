@@ -116,6 +116,7 @@ class BPTTAux(TypedDict):
 
     losses: Array
     state: "ModelState"
+    loss_aux: NotRequired[ArrayTree]
 
 
 class OnlineResult(NamedTuple, Generic[TraceT]):
@@ -180,11 +181,18 @@ class BPTTResult(NamedTuple):
     **Arguments:**
 
     - `grads`: the exact gradient of every parameter.
-    - `aux`: ``losses`` ``(T,)`` and the final ``state``.
+    - `aux`: ``losses`` ``(T,)``, the final ``state`` and, with ``has_aux=True``, the
+      loss's stacked auxiliary data ``loss_aux``.
     """
 
     grads: PathDict[ArrayTree]
     aux: BPTTAux
+
+    @property
+    def loss_aux(self) -> ArrayTree:
+        """With ``has_aux=True``, the auxiliary data the loss returned at each step,
+        stacked over time (a leading axis ``T``); else `None`."""
+        return self.aux.get("loss_aux")
 
     @property
     def losses(self) -> Array:
@@ -1475,36 +1483,54 @@ def online_evolve(
 
 
 def _bptt_impl(
-    graph: ETraceGraph, loss_fn: LossFn, state: ModelState, xs: Any, targets: Any
+    graph: ETraceGraph,
+    user_loss: LossFn | AuxLossFn[Any],
+    state: ModelState,
+    xs: Any,
+    targets: Any,
+    has_aux: bool = False,
 ) -> tuple[PathDict[PyTree], dict[str, Any]]:
+    loss_fn = _with_aux(user_loss, has_aux)
+
     def total(params: PathDict[PyTree]) -> Any:
         def body(m: Any, inp: Any) -> Any:
             x, t = inp
             out, s2 = forward_pure(graph, rejoin(params, m), as_args(graph, x))
             return moving_parts(s2), loss_fn(out, t)
 
-        final, losses = jax.lax.scan(body, moving_parts(state), (xs, targets))
-        return jnp.sum(losses), (losses, final)
+        final, (losses, loss_aux) = jax.lax.scan(body, moving_parts(state), (xs, targets))
+        return jnp.sum(losses), (losses, loss_aux, final)
 
     # under `shard_map`, each device's own gradient (as `online_grad`'s): replicated
     # weights would otherwise get theirs summed over the devices by autodiff
     params = vary_tree(state.params, state, xs)
-    (_, (losses, final)), grads = jax.value_and_grad(total, has_aux=True)(params)
-    return grads, {"losses": losses, "state": final}
+    (_, (losses, loss_aux, final)), grads = jax.value_and_grad(total, has_aux=True)(params)
+    aux = {"losses": losses, "state": final}
+    if has_aux:
+        aux["loss_aux"] = loss_aux
+    return grads, aux
 
 
-_bptt_jit = jax.jit(_bptt_impl, static_argnums=(0, 1))
+_bptt_jit = jax.jit(_bptt_impl, static_argnums=(0, 1, 5))
 
 
 def bptt_grad(
-    graph: ETraceGraph, state: ModelState, xs: Any, targets: Any, loss_fn: LossFn
+    graph: ETraceGraph,
+    state: ModelState,
+    xs: Any,
+    targets: Any,
+    loss_fn: LossFn | AuxLossFn[Any],
+    *,
+    has_aux: bool = False,
 ) -> BPTTResult:
     """Exact gradient of ``Σ_t loss_fn(y_t, target_t)`` by backpropagation through time
     (`jax.grad` over one `lax.scan`): the reference to check an online approximation
     against. Same data contracts as `online_grad`; memory grows with the length.
+    With ``has_aux=True``, `loss_fn` returns ``(loss, aux)`` as for `online_grad`.
 
     **Returns:** a `BPTTResult`, which unpacks as ``(grads, aux)`` with ``aux['losses']``
-    and the final ``aux['state']`` (also ``result.losses``, ``result.state``).
+    and the final ``aux['state']`` (also ``result.losses``, ``result.state``), and with
+    `has_aux` the stacked ``aux['loss_aux']`` (``result.loss_aux``).
 
     **Raises:** as `online_grad`.
     """
@@ -1513,11 +1539,13 @@ def bptt_grad(
     xs = _cast_sequence(graph, xs)
     state = fast_check_state(graph, state)
     _check_sequences(graph, xs, targets, loss_fn)
-    key = ("bptt", _avals(xs), _avals(targets), loss_fn)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be True or False, got {has_aux!r}")
+    key = ("bptt", _avals(xs), _avals(targets), loss_fn, has_aux)
     if not _seen(graph, key):
-        _check_loss(graph, targets, loss_fn)
+        _check_loss(graph, targets, loss_fn, has_aux)
         _remember(graph, key)
     with _reverse_mode_explained(graph, "bptt_grad"):
-        grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets)
+        grads, aux = _bptt_jit(graph, loss_fn, state, xs, targets, has_aux)
     aux["state"] = rejoin(state.params, aux["state"])  # the weights, not a copy of them
     return BPTTResult(grads, cast(BPTTAux, aux))

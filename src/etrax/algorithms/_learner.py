@@ -276,6 +276,15 @@ class OnlineLearner:
                     "and shapes (start from learner.params); for another shape, build a new "
                     "model and learner."
                 )
+            for leaf, dtype in zip(leaves, info.dtypes, strict=True):
+                given = getattr(leaf, "dtype", None)
+                if given is not None and np.dtype(given) != np.dtype(dtype):
+                    raise StepInputError(
+                        f"learner.params[{path!r}] holds {np.dtype(given)} values, but the "
+                        f"model was compiled with {np.dtype(dtype)}: the model's own states "
+                        "would change precision. Cast them first, e.g. "
+                        f"jax.tree.map(lambda a: a.astype(jnp.{np.dtype(dtype).name}), params)."
+                    )
         for path in expected:
             refs[path].value = values[path]
 
