@@ -431,7 +431,7 @@ def test_learner_params_with_a_wrong_key() -> None:
     with pytest.raises(etrax.StepInputError, match="structure"):
         learner.params = wrong
     wrong[path] = jax.tree.map(lambda a: a.astype(jnp.float16), before[path])  # another dtype
-    with pytest.raises(etrax.StepInputError, match="float16 values.*compiled with float32"):
+    with pytest.raises(etrax.StepInputError, match=r"float16 values.*compiled with float32"):
         learner.params = wrong
     for a, b in zip(jax.tree.leaves(learner.params), jax.tree.leaves(before), strict=True):
         assert a is b  # nothing was written
