@@ -135,22 +135,30 @@ class Layer(brainstate.nn.Module):
 
 class LeakyTanh(Layer):
     """``h ← α ⊙ h + tanh(x W + b)`` with a fixed per-unit leak; odd variants also
-    output the op's value ``x W + b`` directly (it reaches ``h`` and the output)."""
+    output the op's value ``x W + b`` directly (it reaches ``h`` and the output);
+    variants 4–7 also keep the new ``h`` in a second hidden state ``m`` (one value,
+    two states) that the next step reads: ``h ← α ⊙ h + 0.2 m + tanh(x W + b)``."""
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
         super().__init__()
         self.n = n
         self.n_out = n
         self.direct = variant % 2 == 1
+        self.mirror = variant >= 4
         self.fc = _linear(rng, n_in, n)
-        self.alpha = jnp.asarray(np.linspace(0.3, 0.95, n), dtype=_dtype())
+        self.alpha = jnp.asarray(np.linspace(0.3, 0.75, n), dtype=_dtype())
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
         self.h = brainstate.HiddenState(_zeros((self.n,), batch_size))
+        if self.mirror:
+            self.m = brainstate.HiddenState(_zeros((self.n,), batch_size))
 
     def update(self, x: ArrayLike) -> Array:
         pre = self.fc(x)
         h = self.alpha * self.h.value + jnp.tanh(pre)
+        if self.mirror:
+            h = h + 0.2 * self.m.value
+            self.m.value = h
         self.h.value = h
         return h + 0.1 * pre if self.direct else h
 
