@@ -133,7 +133,15 @@ def inner_closed_jaxprs(eqn: Any) -> list["jex.ClosedJaxpr"]:
 def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Re-bind one jaxpr equation on new input values; always returns a list."""
     with equation_context(eqn):
-        return _bind(eqn, match_varying(invals))
+        axes = [_varying_axes(v) for v in invals]
+        if not any(axes):  # outside `jax.shard_map`: the equation as it is
+            return _bind(eqn, invals)
+        invals = _matched(invals, axes)
+        body = call_body(eqn)
+        if body is not None:  # a nested `jit`: its jaxpr's types predate the map
+            return eval_jaxpr(body.jaxpr, body.consts, *invals)
+        rebind = _REBIND_IN_MAP.get(eqn.primitive.name)
+        return _bind(eqn, invals) if rebind is None else rebind(eqn, invals)
 
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
@@ -171,7 +179,10 @@ def match_varying(values: Sequence[Any]) -> list[Any]:
     """Inside `jax.shard_map`, cast inputs that are invariant over a manual mesh axis
     to varying where another input varies over it (what JAX's `lax` functions do
     when tracing user code; re-binding a jaxpr made outside needs it explicitly)."""
-    axes = [_varying_axes(v) for v in values]
+    return _matched(values, [_varying_axes(v) for v in values])
+
+
+def _matched(values: Sequence[Any], axes: Sequence[frozenset[Any] | None]) -> list[Any]:
     known = {a for a in axes if a is not None}
     if len(known) <= 1:
         return list(values)
@@ -216,13 +227,6 @@ def vary_tree(tree: Any, *likes: Any) -> Any:
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    if any(_varying_axes(v) for v in invals):  # inside `jax.shard_map`
-        body = call_body(eqn)
-        if body is not None:  # a nested `jit`: its jaxpr's types predate the map
-            return eval_jaxpr(body.jaxpr, body.consts, *invals)
-        rebind = _REBIND_IN_MAP.get(eqn.primitive.name)
-        if rebind is not None:
-            return rebind(eqn, invals)
     bound = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bound, tuple):  # older JAX: (subfuns, params)
         subfuns, params = bound
