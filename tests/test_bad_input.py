@@ -614,12 +614,80 @@ def test_op_arguments_that_do_not_fit_name_the_op() -> None:
             lambda: etrax.matmul(jnp.ones(3), jnp.ones((3, 4)), weight_fn=jnp.transpose),
             "weight_fn must keep the shape",
         ),
+        # every op checks that its transforms keep the shape (a sum would be traced
+        # into traces of the wrong shape)
+        (lambda: etrax.element_wise(jnp.ones(4), weight_fn=jnp.sum), "element_wise: weight_fn"),
+        (
+            lambda: etrax.embedding(jnp.arange(2), jnp.ones((5, 3)), weight_fn=jnp.transpose),
+            "embedding: weight_fn",
+        ),
+        (
+            lambda: etrax.einsum("i,io->o", jnp.ones(3), jnp.ones((3, 3)), weight_fn=jnp.sum),
+            "einsum: weight_fn",
+        ),
+        (
+            lambda: etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), kernel_fn=jnp.ravel),
+            "conv: kernel_fn",
+        ),
+        # and conv the values of its arguments
+        (lambda: etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), strides=0), "strides"),
+        (
+            lambda: etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), rhs_dilation=(0,)),
+            "rhs_dilation must be positive",
+        ),
+        (
+            lambda: etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), feature_group_count=0),
+            "feature_group_count must be a positive int",
+        ),
+        (
+            lambda: etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), padding="FULL"),
+            "padding must be",
+        ),
+        (
+            lambda: etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), padding=((1, 1),) * 2),
+            "one (low, high) pair per spatial axis (1)",
+        ),
+        (
+            lambda: etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), lhs_dilation=2),
+            "lhs_dilation (2,) needs explicit padding",
+        ),
     ]
     for call, message in cases:
-        with pytest.raises(ValueError, match=re.escape(message)):
+        with pytest.raises(etrax.OpArgumentError, match=re.escape(message)):
             call()
     etrax.einsum("i,io->o", jnp.ones(3), jnp.ones((3, 4)))  # the fitting ones run
     etrax.matmul(jnp.ones(3), jnp.ones((3, 4)), weight_fn=jnp.abs)
+    etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), padding=((1, 1),), lhs_dilation=2)
+
+
+def test_an_op_argument_error_while_compiling_is_the_ops_own() -> None:
+    """An op's argument error raised while the compiler traces the step reaches the user
+    as it is (naming the op), not wrapped in advice about the example inputs; a custom
+    op bound with fewer operands than its registration names is refused at the call."""
+
+    class Bad(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = brainstate.ParamState(jnp.ones(4))
+
+        def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+            self.h = brainstate.HiddenState(jnp.zeros(4))
+
+        def update(self, x: ArrayLike) -> Array:
+            h = 0.5 * self.h.value + etrax.element_wise(self.w.value, weight_fn=jnp.sum)
+            self.h.value = h
+            return h
+
+    model = Bad()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.OpArgumentError, match="element_wise: weight_fn") as info:
+        etrax.compile_etrace_graph(model, jnp.ones(3))
+    assert "example inputs" not in str(info.value)
+    gain_p = etrax.register_primitive(
+        "probe_gain_no_x", lambda w: 2.0 * w, x_index=None  # trainable: {'weight': 1}
+    )
+    with pytest.raises(etrax.OpArgumentError, match=r"1 operand\(s\).*'weight': 1"):
+        etrax.ops.bind(gain_p, jnp.ones(3))
 
 
 def test_a_state_of_plain_dicts_in_any_order() -> None:

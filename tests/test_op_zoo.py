@@ -249,33 +249,56 @@ def test_bad_op_input_is_refused_early() -> None:
 
 
 class GroupedConv(brainstate.nn.Module):
-    def __init__(self) -> None:
+    """A grouped convolution (which the online rules cannot trace), or one whose output
+    puts the spatial axes in another order than the dimension numbers name them, beside
+    a traced element-wise gain."""
+
+    def __init__(self, kind: str) -> None:
         super().__init__()
-        self.k = brainstate.ParamState(_rand(1, (3, 2, 4)))
+        self.kind = kind
+        self.k = brainstate.ParamState(_rand(1, (3, 2, 4) if kind == "grouped" else (2, 2, 4, 4)))
+        self.g = brainstate.ParamState(_rand(2, (4,)))
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
-        self.h = brainstate.HiddenState(jnp.zeros((2, 6, 4), jnp.float64))
+        shape = (2, 6, 4) if self.kind == "grouped" else (2, 5, 5, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(shape, jnp.float64))
 
     def update(self, x: Array) -> Array:
-        h = 0.5 * self.h.value + etrax.conv(x, self.k.value, feature_group_count=2)
+        if self.kind == "grouped":
+            c = etrax.conv(x, self.k.value, feature_group_count=2)
+        else:  # output (batch, W, H, channels) from input (batch, H, W, channels)
+            numbers = ("NHWC", "HWIO", "NWHC")
+            c = etrax.conv(x, self.k.value, padding="SAME", dimension_numbers=numbers)
+        h = 0.5 * self.h.value + c + etrax.element_wise(self.g.value)
         self.h.value = h
         return h
 
 
-def test_grouped_conv_is_refused_by_online_algorithms() -> None:
-    model = GroupedConv()
+@pytest.mark.parametrize("kind", ["grouped", "layout"])
+def test_a_conv_the_rules_cannot_trace_learns_instantaneously(kind: str) -> None:
+    """A convolution the online rules cannot trace forms no relation: the compiler says
+    why (`relation_excluded_unsupported`, naming the condition), its kernel learns from
+    its exact instantaneous gradient (equal to BPTT at T = 1), and the other weights are
+    traced as usual. Before, the kernel was reported traced and every online algorithm
+    refused the whole model."""
+    model = GroupedConv(kind)
     brainstate.nn.init_all_states(model)
-    x = _rand(0, (2, 6, 4))
+    x = _rand(0, (2, 6, 4) if kind == "grouped" else (2, 5, 5, 4))
     graph = etrax.compile_etrace_graph(model, x)
+    rules = graph.weight_rules()
+    assert rules[("k",)].rule is etrax.WeightRule.INSTANTANEOUS
+    assert rules[("k",)].reason is etrax.DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED
+    assert rules[("g",)].rule is etrax.WeightRule.TRACED
+    (rec,) = graph.explain(kind=etrax.DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED)
+    assert ("grouped convolutions" if kind == "grouped" else "spatial axes") in rec.message
     state = etrax.state_of(graph)
-    # the forward pass works; tracing the kernel is refused before anything runs
-    y, _ = etrax.forward(graph, state, x)
-    assert y.shape == (2, 6, 4)
-    with pytest.raises(etrax.NotSupportedError, match="grouped convolutions"):
-        etrax.DRTRL().init(graph, state)
-    grads, _ = etrax.bptt_grad(graph, state, x[None], jnp.zeros((1, 2, 6, 4)), _mse)
-    g = grads[("k",)]
-    assert isinstance(g, jax.Array) and g.shape == (3, 2, 4)
+    xs, ts = x[None], jnp.zeros((1, *x.shape[:-1], 4))
+    exact, _ = etrax.bptt_grad(graph, state, xs, ts, _mse)
+    algos: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9)]
+    for algo in algos:
+        got, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ts, _mse)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_bind_refuses_primitives_that_are_not_etp_ops() -> None:

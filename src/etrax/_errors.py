@@ -15,6 +15,7 @@ __all__ = [
     "EtraxError",
     "InputStructureError",
     "NotSupportedError",
+    "OpArgumentError",
     "ParamStateWriteError",
     "RecursiveCompileError",
     "RewriteLimitError",
@@ -107,3 +108,10 @@ class SilentNetworkWarning(UserWarning):
 class ProbeWarning(UserWarning):
     """A property read off a model numerically (`SnAp`'s position graph, probed at
     random points) differs from point to point, so it may be incomplete."""
+
+
+class OpArgumentError(EtraxError, ValueError, TypeError):
+    """An ETP operation (`etrax.matmul`, `etrax.conv`, …) or `register_primitive` was
+    given an argument it cannot take; the message names the operation and the
+    argument. It is a `ValueError` and a `TypeError`, as the plain errors it replaces
+    were one or the other."""

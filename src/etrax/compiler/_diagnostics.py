@@ -37,6 +37,7 @@ class DiagnosticKind(enum.StrEnum):
     RELATION_EXCLUDED_SHAPE_MISMATCH = "relation_excluded_shape_mismatch"
     RELATION_EXCLUDED_MIXING = "relation_excluded_mixing"
     RELATION_EXCLUDED_NO_PARAMSTATE = "relation_excluded_no_paramstate"
+    RELATION_EXCLUDED_UNSUPPORTED = "relation_excluded_unsupported"
     TRAINABLE_INVAR_NOT_PARAMSTATE = "trainable_invar_not_paramstate"
     TAIL_MIXES_POSITIONS = "tail_mixes_positions"
     # weights outside relations
@@ -70,6 +71,7 @@ EXCLUSION_KINDS = frozenset(
         DiagnosticKind.RELATION_EXCLUDED_SHAPE_MISMATCH,
         DiagnosticKind.RELATION_EXCLUDED_MIXING,
         DiagnosticKind.RELATION_EXCLUDED_NO_PARAMSTATE,
+        DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED,
         DiagnosticKind.WEIGHT_PLAIN_USE,
         DiagnosticKind.STATE_MISMATCH,
     }

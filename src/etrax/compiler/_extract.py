@@ -17,6 +17,7 @@ import numpy as np
 
 from .._compat import ClosedJaxpr, equation_location, inner_closed_jaxprs, is_tracer
 from .._errors import (
+    EtraxError,
     InputStructureError,
     NotSupportedError,
     ParamStateWriteError,
@@ -242,6 +243,8 @@ def _trace(
     fn = brainstate.transform.StatefulFunction(model.update, return_only_write=False)
     try:
         fn.make_jaxpr(*args)
+    except EtraxError:  # an op's own argument error: it names the op and the fix
+        raise
     except AttributeError as err:
         raise StateNotInitializedError(
             f"Tracing {type(model).__name__}.update failed with AttributeError: {err}. "

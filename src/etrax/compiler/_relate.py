@@ -30,9 +30,10 @@ from .._compat import (
     Var,
     aval_of,
     equation_location,
+    struct_of,
     vary_like,
 )
-from .._errors import WeightNotParamStateError
+from .._errors import NotSupportedError, WeightNotParamStateError
 from .._frozen import FrozenDict
 from .._typing import Path, Shape, VarId
 from ..ops import ETPOpSpec, etp_spec
@@ -594,6 +595,21 @@ def _relation(
             records.append(rec)
             reasons.append(rec.kind)
     slots = frozenset(t.operand_index for t in op.trainables)
+    unsupported = _untraceable(ctx, op) if tails else None
+    if unsupported is not None:
+        records.append(
+            record(
+                DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED,
+                DiagnosticLevel.WARNING,
+                f"{op.name} at {op.where} (weight {op.weight_path}) reaches hidden states, but "
+                f"the online rules cannot trace it: {unsupported} It is not traced through "
+                "time and learns from its exact instantaneous gradient.",
+                primitive=op.name,
+                weight_path=op.weight_path,
+                weight_paths=op.weight_paths,
+            )
+        )
+        return None, records, EtpStatus(None, True, records[-1].kind, slots)
     connected = {p for t in tails for p in groups[t.group_index].hidden_paths}
     blocking = _blocking(ctx, op, connected)
     if not tails:
@@ -636,6 +652,26 @@ def _relation(
     records.insert(0, _included_record(op, relation))
     status = EtpStatus(index, bool(reasons), reasons[0] if reasons else None, slots)
     return relation, records, status
+
+
+def _untraceable(ctx: _Context, op: _Op) -> str | None:
+    """Why the online rules cannot trace `op`, if they cannot: it has no `ETPRules`,
+    or its rules refuse its parameters (a grouped convolution, an output layout they
+    do not handle) with a `NotSupportedError`."""
+    rules = op.spec.rules
+    if rules is None:
+        return (
+            f"the ETP primitive {op.name} has no ETPRules (register them with "
+            "etrax.register_rules)."
+        )
+    x_index = op.spec.x_index
+    x = None if x_index is None else struct_of(op.eqn.invars[x_index])
+    weights = {t.key: struct_of(op.eqn.invars[t.operand_index]) for t in op.trainables}
+    try:
+        rules.param_trace_shapes(x, struct_of(op.y), weights, op.eqn.params)
+    except NotSupportedError as err:
+        return str(err)
+    return None
 
 
 def _make_relation(

@@ -18,7 +18,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from .._compat import bind
-from .._errors import NotSupportedError
+from .._errors import NotSupportedError, OpArgumentError
 from .._typing import Params, Shape
 from ._primitive import ETPRules, Factorization, register_primitive
 from ._util import (
@@ -43,7 +43,7 @@ _LAYOUTS = {
 def default_dimension_numbers(spatial_ndim: int) -> tuple[str, str, str]:
     """Channel-last layouts: ``('NHC', 'HIO', 'NHC')`` for 1-D, and so on."""
     if spatial_ndim not in _LAYOUTS:
-        raise ValueError(f"conv supports 1, 2 or 3 spatial dimensions, got {spatial_ndim}")
+        raise OpArgumentError(f"conv supports 1, 2 or 3 spatial dimensions, got {spatial_ndim}")
     return _LAYOUTS[spatial_ndim]
 
 
@@ -96,9 +96,11 @@ def _check_traceable(x_ndim: int, k_shape: Shape, params: Params) -> None:
     dn = _dn((1,) * x_ndim, k_shape, params)
     if tuple(dn.out_spec) != (0, x_ndim - 1, *range(1, x_ndim - 1)):
         raise NotSupportedError(
-            "online algorithms trace convolutions whose output has the batch axis first and the "
-            f"channel axis last (e.g. {default_dimension_numbers(x_ndim - 2)}); got "
-            f"dimension_numbers={params['dimension_numbers']}."
+            "online algorithms trace convolutions whose output is laid out as the batch axis, "
+            "then the spatial axes in the order the dimension numbers name them, then the "
+            f"channel axis (e.g. {default_dimension_numbers(x_ndim - 2)}); got "
+            f"dimension_numbers={params['dimension_numbers']}. Use that output layout and "
+            "transpose after the op."
         )
 
 
@@ -222,10 +224,12 @@ def _tuple(
     if value is None:
         return (default,) * n
     if isinstance(value, int):
-        return (value,) * n
+        value = (value,) * n
     out = tuple(int(v) for v in value)
     if len(out) != n:
-        raise ValueError(f"conv: {name} needs {n} entries, got {out}")
+        raise OpArgumentError(f"conv: {name} needs {n} entries, got {out}")
+    if any(v < 1 for v in out):
+        raise OpArgumentError(f"conv: {name} must be positive integers, got {out}")
     return out
 
 
@@ -251,25 +255,48 @@ def conv(
     """
     x = jnp.asarray(x)
     kernel = jnp.asarray(kernel)
-    check_transform("conv: kernel_fn", kernel_fn)
-    check_transform("conv: bias_fn", bias_fn)
+    check_transform("conv: kernel_fn", kernel_fn, kernel)
+    check_transform("conv: bias_fn", bias_fn, None if bias is None else jnp.asarray(bias))
     n = kernel.ndim - 2
     if n not in (1, 2, 3) or x.ndim != kernel.ndim:
-        raise ValueError(
+        raise OpArgumentError(
             f"conv: x {x.shape} and kernel {kernel.shape} must both have 2 + (1, 2 or 3) axes; "
             "x needs a leading batch axis (add one with x[None])"
         )
     dn = dimension_numbers if dimension_numbers is not None else default_dimension_numbers(n)
+    lhs = _tuple(lhs_dilation, n, "lhs_dilation")
     if isinstance(padding, str):
         pad: Any = padding.upper()
+        if pad not in ("SAME", "VALID", "SAME_LOWER"):
+            raise OpArgumentError(
+                f"conv: padding must be 'SAME', 'VALID', 'SAME_LOWER' or one (low, high) pair "
+                f"per spatial axis, got {padding!r}"
+            )
+        if any(d != 1 for d in lhs):
+            raise OpArgumentError(
+                f"conv: lhs_dilation {lhs} needs explicit padding, one (low, high) pair per "
+                f"spatial axis, not {padding!r}"
+            )
     else:
         pad = tuple((int(a), int(b)) for a, b in padding)
+        if len(pad) != n:
+            raise OpArgumentError(
+                f"conv: padding needs one (low, high) pair per spatial axis ({n}), got {pad}"
+            )
+    given: object = feature_group_count
+    groups = 0
+    if isinstance(given, int | np.integer) and not isinstance(given, bool):
+        groups = int(given)
+    if groups < 1:
+        raise OpArgumentError(
+            f"conv: feature_group_count must be a positive int, got {feature_group_count!r}"
+        )
     params = dict(
         strides=_tuple(strides, n, "strides"),
         padding=pad,
-        lhs_dilation=_tuple(lhs_dilation, n, "lhs_dilation"),
+        lhs_dilation=lhs,
         rhs_dilation=_tuple(rhs_dilation, n, "rhs_dilation"),
-        feature_group_count=int(feature_group_count),
+        feature_group_count=groups,
         dimension_numbers=tuple(dn),
         kernel_fn=kernel_fn,
         bias_fn=bias_fn,
@@ -278,10 +305,10 @@ def conv(
     try:
         numbers = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, tuple(dn))
     except (TypeError, ValueError) as err:
-        raise ValueError(f"conv: dimension_numbers {dn!r} do not fit: {err}") from err
+        raise OpArgumentError(f"conv: dimension_numbers {dn!r} do not fit: {err}") from err
     channels = x.shape[numbers.lhs_spec[1]] // int(feature_group_count)
     if channels != kernel.shape[numbers.rhs_spec[1]]:
-        raise ValueError(
+        raise OpArgumentError(
             f"conv: x has {x.shape[numbers.lhs_spec[1]]} input channels (in "
             f"{feature_group_count} group(s)) but the kernel {kernel.shape} expects "
             f"{kernel.shape[numbers.rhs_spec[1]]} per group"
@@ -291,6 +318,6 @@ def conv(
         bias = jnp.asarray(bias)
         out_ch = kernel.shape[jax.lax.conv_dimension_numbers(x.shape, kernel.shape, dn).rhs_spec[0]]
         if bias.shape != (out_ch,):
-            raise ValueError(f"conv: bias must be ({out_ch},), got {bias.shape}")
+            raise OpArgumentError(f"conv: bias must be ({out_ch},), got {bias.shape}")
         operands.append(bias)
     return bind(conv_p, *operands, has_bias=bias is not None, **params)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from .._compat import bind
+from .._errors import OpArgumentError
 from .._typing import Params, Shape
 from ._primitive import ETPRules, register_primitive
 from ._util import chain_transform, check_transform
@@ -48,32 +49,34 @@ def parse_einsum(equation: str) -> EinsumSpec:
         "and every weight axis either contracted with x or kept in the output."
     )
     if "..." in eq or "->" not in eq:
-        raise ValueError(
+        raise OpArgumentError(
             f"einsum equation {equation!r} needs an explicit '->' and no ellipsis.{hint}"
         )
     lhs, out = eq.split("->")
     ops = lhs.split(",")
     if len(ops) != 2:
-        raise ValueError(f"einsum equation {equation!r} has {len(ops)} operands; exactly 2.{hint}")
+        raise OpArgumentError(
+            f"einsum equation {equation!r} has {len(ops)} operands; exactly 2.{hint}"
+        )
     xs, ws = ops
     for name, spec in (("x", xs), ("weight", ws), ("output", out)):
         if not spec.isalpha() or not spec.islower():
-            raise ValueError(
+            raise OpArgumentError(
                 f"einsum equation {equation!r}: the {name} spec {spec!r} must be lowercase "
                 f"letters.{hint}"
             )
         if len(set(spec)) != len(spec):
-            raise ValueError(
+            raise OpArgumentError(
                 f"einsum equation {equation!r}: the {name} spec {spec!r} repeats a letter.{hint}"
             )
     stray = [c for c in out if c not in xs and c not in ws]
     if stray:
-        raise ValueError(
+        raise OpArgumentError(
             f"einsum equation {equation!r}: output letters {stray} appear in no operand.{hint}"
         )
     summed = [c for c in ws if c not in xs and c not in out]
     if summed:
-        raise ValueError(
+        raise OpArgumentError(
             f"einsum equation {equation!r}: weight axes {summed} are summed away without x, so "
             f"one weight element reaches several outputs and cannot be traced per position.{hint}"
         )
@@ -153,7 +156,7 @@ def _check_sizes(equation: str, x_shape: Shape, w_shape: Shape) -> None:
     for labels, shape, name in ((terms[0], x_shape, "x"), (terms[1], w_shape, "weight")):
         for label, size in zip(labels, shape, strict=False):
             if sizes.setdefault(label, size) != size:
-                raise ValueError(
+                raise OpArgumentError(
                     f"einsum {equation!r}: label {label!r} has size {sizes[label]} in x but "
                     f"{size} in {name} (x {tuple(x_shape)}, weight {tuple(w_shape)})"
                 )
@@ -171,9 +174,9 @@ def einsum(equation: str, x: ArrayLike, weight: ArrayLike, *, weight_fn: Transfo
     spec = parse_einsum(equation)
     x = jnp.asarray(x)
     weight = jnp.asarray(weight)
-    check_transform("einsum: weight_fn", weight_fn)
+    check_transform("einsum: weight_fn", weight_fn, weight)
     if x.ndim != len(spec.x) or weight.ndim != len(spec.w):
-        raise ValueError(
+        raise OpArgumentError(
             f"einsum {equation!r}: x has {x.ndim} axes and weight {weight.ndim}, the equation "
             f"says {len(spec.x)} and {len(spec.w)}"
         )

@@ -92,6 +92,6 @@ def element_wise(weight: ArrayLike, *, weight_fn: Transform = None) -> Array:
     `weight_fn` must be element-wise and shape-preserving (default: identity). The
     op has no data input, so it never cuts a path between other operations.
     """
-    check_transform("element_wise: weight_fn", weight_fn)
     w = jnp.asarray(weight)
+    check_transform("element_wise: weight_fn", weight_fn, w)
     return bind(element_wise_p, w, weight_fn=weight_fn)

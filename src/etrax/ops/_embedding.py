@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from .._compat import Primitive, bind
+from .._errors import OpArgumentError
 from .._typing import Params, Shape
 from ._common import x_batch_rule
 from ._primitive import ETPRules, Factorization, register_primitive
@@ -113,16 +114,16 @@ def embedding(indices: ArrayLike, table: ArrayLike, *, weight_fn: Transform = No
     """
     idx = jnp.asarray(indices)
     table = jnp.asarray(table)
-    check_transform("embedding: weight_fn", weight_fn)
+    check_transform("embedding: weight_fn", weight_fn, table)
     if not jnp.issubdtype(idx.dtype, jnp.integer):
-        raise TypeError(
+        raise OpArgumentError(
             f"embedding: indices must be integers, got dtype {idx.dtype}; cast them with "
             "jnp.asarray(indices, jnp.int32)"
         )
     if idx.ndim > 1:
-        raise ValueError(f"embedding: indices must be a scalar or (batch,), got {idx.shape}")
+        raise OpArgumentError(f"embedding: indices must be a scalar or (batch,), got {idx.shape}")
     if table.ndim != 2:
-        raise ValueError(f"embedding: table must be (vocab, dim), got {table.shape}")
+        raise OpArgumentError(f"embedding: table must be (vocab, dim), got {table.shape}")
     vocab = int(table.shape[0])
     # one row per index everywhere (the lookup, its traces and its gradients)
     idx = jnp.clip(jnp.where(idx < 0, idx + vocab, idx), 0, vocab - 1)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from .._compat import Primitive, bind
+from .._errors import OpArgumentError
 from .._typing import Params
 from ._common import x_batch_rule
 from ._primitive import ETPRules, register_primitive
@@ -92,12 +93,16 @@ def grouped_matmul(
     """
     x = jnp.asarray(x)
     weight = jnp.asarray(weight)
-    check_transform("grouped_matmul: weight_fn", weight_fn)
-    check_transform("grouped_matmul: bias_fn", bias_fn)
+    check_transform("grouped_matmul: weight_fn", weight_fn, weight)
+    check_transform(
+        "grouped_matmul: bias_fn", bias_fn, None if bias is None else jnp.asarray(bias)
+    )
     if weight.ndim != 3:
-        raise ValueError(f"grouped_matmul: weight must be (groups, in, out), got {weight.shape}")
+        raise OpArgumentError(
+            f"grouped_matmul: weight must be (groups, in, out), got {weight.shape}"
+        )
     if x.ndim not in (2, 3) or x.shape[-2:] != weight.shape[:2]:
-        raise ValueError(
+        raise OpArgumentError(
             f"grouped_matmul: x must be (groups, in) or (batch, groups, in) matching weight "
             f"{weight.shape[:2]}, got {x.shape}"
         )
@@ -105,7 +110,7 @@ def grouped_matmul(
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != (weight.shape[0], weight.shape[2]):
-            raise ValueError(
+            raise OpArgumentError(
                 f"grouped_matmul: bias must be {(weight.shape[0], weight.shape[2])}, "
                 f"got {bias.shape}"
             )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from .._compat import Primitive, bind
+from .._errors import OpArgumentError
 from .._typing import Params, Shape
 from ._common import x_batch_rule
 from ._primitive import ETPRules, Factorization, register_primitive
@@ -153,27 +154,28 @@ def lora_matmul(
     x = jnp.asarray(x)
     b = jnp.asarray(lora_b)
     a = jnp.asarray(lora_a)
-    for name, f in (("b_fn", b_fn), ("a_fn", a_fn), ("bias_fn", bias_fn)):
-        check_transform(f"lora_matmul: {name}", f)
+    given = None if bias is None else jnp.asarray(bias)
+    for name, f, v in (("b_fn", b_fn, b), ("a_fn", a_fn, a), ("bias_fn", bias_fn, given)):
+        check_transform(f"lora_matmul: {name}", f, v)
     if b.ndim != 2 or a.ndim != 2:
-        raise ValueError(
+        raise OpArgumentError(
             f"lora_matmul: lora_b must be (in, rank) and lora_a (rank, out), got {b.shape} "
             f"and {a.shape}"
         )
     if b.shape[1] != a.shape[0]:
-        raise ValueError(
+        raise OpArgumentError(
             f"lora_matmul: mismatched LoRA ranks: lora_b {b.shape} has rank {b.shape[1]} but "
             f"lora_a {a.shape} has rank {a.shape[0]}"
         )
     if x.ndim not in (1, 2) or x.shape[-1] != b.shape[0]:
-        raise ValueError(
+        raise OpArgumentError(
             f"lora_matmul: x must be (in,) or (batch, in) with in={b.shape[0]}, got {x.shape}"
         )
     operands = [x, b, a]
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != (a.shape[1],):
-            raise ValueError(f"lora_matmul: bias must be ({a.shape[1]},), got {bias.shape}")
+            raise OpArgumentError(f"lora_matmul: bias must be ({a.shape[1]},), got {bias.shape}")
         operands.append(bias)
     return bind(
         lora_matmul_p,

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from .._compat import bind
+from .._errors import OpArgumentError
 from .._typing import Params
 from ._primitive import ETPRules, Factorization, register_primitive
 from ._util import (
@@ -129,14 +130,14 @@ def matmul(
     check_transform("matmul: weight_fn", weight_fn, weight)
     check_transform("matmul: bias_fn", bias_fn, bias)
     if x.ndim not in (1, 2):
-        raise ValueError(
+        raise OpArgumentError(
             f"matmul: x must have shape (in,) or (batch, in), got {x.shape}; "
             "reshape extra leading axes into one batch axis (etrax.nn.Linear does this)."
         )
     if weight.ndim != 2:
-        raise ValueError(f"matmul: weight must have shape (in, out), got {weight.shape}.")
+        raise OpArgumentError(f"matmul: weight must have shape (in, out), got {weight.shape}.")
     if x.shape[-1] != weight.shape[0]:
-        raise ValueError(
+        raise OpArgumentError(
             f"matmul: x has {x.shape[-1]} input features but weight expects {weight.shape[0]} "
             f"(x {x.shape}, weight {weight.shape})."
         )
@@ -144,7 +145,7 @@ def matmul(
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != (weight.shape[1],):
-            raise ValueError(
+            raise OpArgumentError(
                 f"matmul: bias must have shape ({weight.shape[1]},), got {bias.shape}."
             )
         operands.append(bias)

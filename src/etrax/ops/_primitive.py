@@ -23,6 +23,7 @@ from jaxtyping import Array
 
 from .._compat import Primitive, define_primitive, shape_struct
 from .._compat import bind as _bind
+from .._errors import OpArgumentError
 from .._typing import Params, Shape
 from ._util import sum_leading
 
@@ -298,9 +299,13 @@ def register_primitive(
     """
     name_obj: object = name
     if not isinstance(name_obj, str) or not name_obj:
-        raise TypeError(f"register_primitive: `name` must be a non-empty string, got {name!r}.")
+        raise OpArgumentError(
+            f"register_primitive: `name` must be a non-empty string, got {name!r}."
+        )
     if not callable(impl):
-        raise TypeError(f"register_primitive: `impl` must be callable, got {type(impl).__name__}.")
+        raise OpArgumentError(
+            f"register_primitive: `impl` must be callable, got {type(impl).__name__}."
+        )
     if trainable is None:
         trainable_fn: Callable[[Params], Mapping[str, int]] = _default_trainable
     elif callable(trainable):
@@ -308,7 +313,7 @@ def register_primitive(
     else:
         fixed = dict(trainable)
         if not fixed:
-            raise ValueError("register_primitive: `trainable` must name at least one operand.")
+            raise OpArgumentError("register_primitive: `trainable` must name at least one operand.")
 
         def trainable_fn(params: Params) -> Mapping[str, int]:
             return fixed
@@ -317,7 +322,7 @@ def register_primitive(
     if index_obj is not None and (
         isinstance(index_obj, bool) or not isinstance(index_obj, int) or index_obj < 0
     ):
-        raise ValueError(
+        raise OpArgumentError(
             f"register_primitive: `x_index` must be a non-negative int or None, got {x_index!r}."
         )
     prim = define_primitive(name, impl, batch_rule)
@@ -337,9 +342,22 @@ def bind(primitive: Primitive, *operands: Any, **params: Any) -> Array:
 
     Use it inside a layer's ``update``; operands are converted with `jnp.asarray`.
     """
-    if etp_spec(primitive) is None:
-        raise ValueError(
+    spec = etp_spec(primitive)
+    if spec is None:
+        raise OpArgumentError(
             f"etrax.ops.bind: {primitive!r} is not an ETP primitive; create it with "
+            "etrax.register_primitive."
+        )
+    n = len(operands)
+    slots = dict(spec.trainable(params))
+    if spec.x_index is not None:
+        slots["x (x_index)"] = spec.x_index
+    outside = {k: i for k, i in slots.items() if not 0 <= i < n}
+    if outside:
+        raise OpArgumentError(
+            f"{primitive.name}: bound with {n} operand(s), but its registration names "
+            f"operand indices {outside} (trainable operands and x_index count from 0 over "
+            "all the operands); pass those operands, or fix trainable= / x_index= in "
             "etrax.register_primitive."
         )
     return _bind(primitive, *(jnp.asarray(op) for op in operands), **params)
@@ -349,12 +367,14 @@ def register_rules(primitive: Primitive, rules: ETPRules) -> None:
     """Attach (or replace) the `ETPRules` of an already registered primitive."""
     spec = _REGISTRY.get(primitive)
     if spec is None:
-        raise ValueError(
+        raise OpArgumentError(
             f"register_rules: {primitive!r} is not an ETP primitive; create it with "
             "etrax.register_primitive first."
         )
     if not isinstance(rules, ETPRules):
-        raise TypeError(f"register_rules: expected an etrax.ETPRules, got {type(rules).__name__}.")
+        raise OpArgumentError(
+            f"register_rules: expected an etrax.ETPRules, got {type(rules).__name__}."
+        )
     _REGISTRY[primitive] = ETPOpSpec(
         primitive=primitive,
         trainable=spec.trainable,

@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from .._compat import Primitive, bind
+from .._errors import OpArgumentError
 from .._typing import Params
 from ._common import x_batch_rule
 from ._primitive import ETPRules, register_primitive
@@ -52,10 +53,12 @@ class SparsePattern:
         r = np.asarray(rows, dtype=np.int32).reshape(-1)
         c = np.asarray(cols, dtype=np.int32).reshape(-1)
         if r.shape != c.shape:
-            raise ValueError(f"SparsePattern: rows {r.shape} and cols {c.shape} differ in length")
+            raise OpArgumentError(
+                f"SparsePattern: rows {r.shape} and cols {c.shape} differ in length"
+            )
         n_in, n_out = (int(s) for s in shape)
         if r.size and (r.min() < 0 or r.max() >= n_in or c.min() < 0 or c.max() >= n_out):
-            raise ValueError(f"SparsePattern: indices fall outside the shape {(n_in, n_out)}")
+            raise OpArgumentError(f"SparsePattern: indices fall outside the shape {(n_in, n_out)}")
         r.setflags(write=False)
         c.setflags(write=False)
         object.__setattr__(self, "rows", r)
@@ -81,12 +84,12 @@ class SparsePattern:
         from jax.experimental import sparse
 
         if not isinstance(matrix, sparse.BCOO):
-            raise TypeError(
+            raise OpArgumentError(
                 f"SparsePattern.from_bcoo: expected a jax.experimental.sparse.BCOO, got "
                 f"{type(matrix).__name__}"
             )
         if matrix.ndim != 2 or matrix.n_batch != 0 or matrix.n_dense != 0:
-            raise ValueError(
+            raise OpArgumentError(
                 "SparsePattern.from_bcoo: need a 2-D BCOO matrix without batch or dense "
                 f"dimensions, got shape {matrix.shape} (n_batch={matrix.n_batch}, "
                 f"n_dense={matrix.n_dense})"
@@ -94,7 +97,7 @@ class SparsePattern:
         try:
             indices = np.asarray(matrix.indices)
         except jax.errors.TracerArrayConversionError as err:
-            raise ValueError(
+            raise OpArgumentError(
                 "SparsePattern.from_bcoo: the matrix's indices are traced; build the pattern "
                 "outside jit (the pattern is static)"
             ) from err
@@ -198,20 +201,20 @@ def sparse_matmul(
     `x` is ``(in,)`` or ``(batch, in)``; `data` is ``(nnz,)``; `bias` is ``(out,)``.
     """
     if not isinstance(pattern, SparsePattern):
-        raise TypeError(
+        raise OpArgumentError(
             "sparse_matmul: pattern must be an etrax.ops.SparsePattern, got "
             f"{type(pattern).__name__}"
         )
     x = jnp.asarray(x)
     data = jnp.asarray(data)
-    check_transform("sparse_matmul: weight_fn", weight_fn)
-    check_transform("sparse_matmul: bias_fn", bias_fn)
+    check_transform("sparse_matmul: weight_fn", weight_fn, data)
+    check_transform("sparse_matmul: bias_fn", bias_fn, None if bias is None else jnp.asarray(bias))
     if data.shape != (pattern.nnz,):
-        raise ValueError(
+        raise OpArgumentError(
             f"sparse_matmul: data must be ({pattern.nnz},) for {pattern}, got {data.shape}"
         )
     if x.ndim not in (1, 2) or x.shape[-1] != pattern.shape[0]:
-        raise ValueError(
+        raise OpArgumentError(
             f"sparse_matmul: x must be (in,) or (batch, in) with in={pattern.shape[0]}, "
             f"got {x.shape}"
         )
@@ -219,7 +222,9 @@ def sparse_matmul(
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != (pattern.shape[1],):
-            raise ValueError(f"sparse_matmul: bias must be ({pattern.shape[1]},), got {bias.shape}")
+            raise OpArgumentError(
+                f"sparse_matmul: bias must be ({pattern.shape[1]},), got {bias.shape}"
+            )
         operands.append(bias)
     return bind(
         sparse_matmul_p,

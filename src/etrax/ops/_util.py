@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._compat import shape_struct
+from .._errors import OpArgumentError
 from .._typing import Params, Shape
 
 __all__ = [
@@ -45,7 +46,7 @@ def check_transform(name: str, fn: object, value: Any = None) -> None:
     """Validate a ``weight_fn``/``bias_fn`` argument; with the `value` it transforms,
     also that it keeps the value's shape (the ops apply it element-wise)."""
     if fn is not None and not callable(fn):
-        raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}.")
+        raise OpArgumentError(f"{name} must be a callable or None, got {type(fn).__name__}.")
     if fn is None or value is None:
         return
     shape, dtype = tuple(jnp.shape(value)), jnp.result_type(value)
@@ -54,7 +55,7 @@ def check_transform(name: str, fn: object, value: Any = None) -> None:
     except TypeError:  # an unhashable function: traced every time
         out = _shape_after.__wrapped__(fn, shape, dtype)
     if out != shape:
-        raise ValueError(
+        raise OpArgumentError(
             f"{name} must keep the shape {shape} of the array it transforms (a mask, a sign "
             f"constraint, a standardisation), got {out}; reshape or transpose the stored "
             "array instead."
