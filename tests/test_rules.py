@@ -456,6 +456,55 @@ def test_snap_probes_a_relu_transition_at_enough_points(activation: str) -> None
     assert _max_rel(snap2, bptt_grads(model, state, xs, ts, mse)) < TOL
 
 
+class MillivoltLIF(brainstate.nn.Module):
+    """A recurrent LIF layer in millivolts (threshold −50, reset −65): the recurrent
+    weight reads the previous spikes, which only change near the threshold, far from
+    zero (`shift` = 0); with `shift` a ReLU RNN whose units only switch on above 3."""
+
+    def __init__(self, shift: float | None = None) -> None:
+        super().__init__()
+        brainstate.random.seed(0)
+        self.shift = shift
+        self.fc = etrax.nn.Linear(3, 4)
+        self.rec = etrax.nn.Linear(4, 4, b_init=None)
+        self.lif = etrax.nn.LIF(4, tau=10.0, v_th=-50.0, v_reset=-65.0)
+        self.ro = etrax.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        if self.shift is not None:
+            self.h = brainstate.HiddenState(jnp.zeros(4, brainstate.environ.dftype()))
+
+    def update(self, x: ArrayLike) -> Array:
+        if self.shift is None:
+            last = self.lif._spike(self.lif.V.value)
+            y: Array = self.ro(self.lif(-4.0 + 2.0 * self.fc(x) + 3.0 * self.rec(last)))
+            return y
+        h = 0.9 * self.h.value + 6.0 * self.fc(x) + self.rec(jax.nn.relu(self.h.value - 3.0))
+        self.h.value = h
+        out: Array = self.ro(h)
+        return out
+
+
+def test_snap_probes_around_the_models_own_values() -> None:
+    """SnAp's position graph is also probed around the model's current values: a
+    membrane in millivolts only crosses its threshold there, so probing around zero
+    alone found no dependence between positions (SnAp-2 silently ran as OSTLRecurrent,
+    12 % off BPTT). Now SnAp-2 equals BPTT; and where the probes still find none
+    although a weight reads the group's previous values (a ReLU that only opens above
+    3), a `ProbeWarning` says SnAp runs as OSTLRecurrent there."""
+    model, x = build(MillivoltLIF)
+    graph, state, xs, ts = problem(model, x, T=8)
+    xs = 1.0 + xs
+    with pytest.warns(etrax.ProbeWarning, match="differ from point to point"):
+        snap2 = online(etrax.SnAp(2), graph, state, xs, ts)
+    assert _max_rel(snap2, bptt_grads(model, state, xs, ts, mse)) < TOL
+    assert _max_rel(online(etrax.OSTLRecurrent(), graph, state, xs, ts), snap2) > 1e-3
+    model, x = build(MillivoltLIF, 3.0)
+    graph, state, xs, ts = problem(model, x, T=4)
+    with pytest.warns(etrax.ProbeWarning, match="runs as OSTLRecurrent"):
+        etrax.SnAp(2).init(graph, state)
+
+
 @pytest.mark.parametrize("batch", [None, 2])
 def test_snap_is_full_rtrl_on_a_dense_recurrent_weight(batch: int | None) -> None:
     """A dense recurrent weight reaches every position in one hop: SnAp-2 equals BPTT;

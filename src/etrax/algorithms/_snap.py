@@ -9,12 +9,14 @@ and drops the rest: SnAp-1 is the coupled scope, and once ``n − 1`` reaches th
 position graph's diameter the traces are full within-group RTRL.
 
 The position graph is probed once per graph and group: the transition's Jacobian at
-three random points (random parameters, hidden values and inputs); an entry that is
-non-zero at any of them is an edge. A sparse recurrent weight gives its pattern, a
-dense one all-to-all (within each batch entry, which no op mixes). A dependence
-whose derivative vanishes on a large region (a ReLU, a surrogate spike function with
-compact support) can be missed at all three points; the traces then drop it, as
-they drop every dependence outside the neighbourhood.
+random points (random parameters, hidden values and inputs, around zero and around
+the model's current values, at three spreads); an entry that is non-zero at any of
+them is an edge. A sparse recurrent weight gives its pattern, a dense one all-to-all
+(within each batch entry, which no op mixes). A dependence whose derivative vanishes
+on a large region (a ReLU, a surrogate spike function with compact support) can be
+missed at every point; the traces then drop it, as they drop every dependence outside
+the neighbourhood. A `ProbeWarning` says when the pattern changes from point to point,
+and when a weight reads the group's previous values but no dependence showed at all.
 """
 
 import warnings
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._compat import Literal
 from .._errors import CompilationError, ProbeWarning
 from .._pathdict import PathDict
 from ..compiler import ETraceGraph, StateKind
@@ -58,26 +61,43 @@ class Neighbourhood:
         return int(self.index.shape[1])
 
 
-def _random_point(graph: ETraceGraph, seed: int, scale: float = 1.0) -> StepPoint:
+def _random_point(
+    graph: ETraceGraph, seed: int, scale: float = 1.0, around_model: bool = False
+) -> StepPoint:
     """A point with random float parameters, hidden values, other states and inputs
-    (normal, with standard deviation `scale`)."""
+    (normal, with standard deviation `scale`); with `around_model`, the states are
+    drawn around the model's own current values instead of zero, the spread scaled by
+    their size (a membrane near −65 mV with a threshold at −50 mV only crosses it
+    there)."""
     rng = np.random.default_rng(seed)
 
-    def draw(a: Any) -> Any:
+    def draw(a: Any, center: Any = None) -> Any:
         a = np.asarray(a)
         if not np.issubdtype(a.dtype, np.floating):
             return jnp.asarray(a)
-        return jnp.asarray((scale * rng.standard_normal(a.shape)).astype(a.dtype))
+        noise = scale * rng.standard_normal(a.shape)
+        if center is not None:
+            c = np.asarray(center, np.float64)
+            noise = c + noise * (np.abs(c) + 1.0)
+        return jnp.asarray(noise.astype(a.dtype))
 
-    def blank(shape: Any, dtype: Any) -> Any:
+    def blank(shape: Any, dtype: Any, current: Any) -> Any:
         if jnp.issubdtype(dtype, jax.dtypes.extended):  # a typed PRNG key
             return jnp.broadcast_to(jax.random.key(0, impl=dtype._impl), shape)
-        return draw(np.zeros(shape, dtype))
+        center = None
+        if around_model and current is not None and tuple(np.shape(current)) == tuple(shape):
+            center = _mantissa(current)  # the live value, when of the compiled shape
+        return draw(np.zeros(shape, dtype), center)
 
     mi = graph.module_info  # the compiled shapes (one sample's under a vmap learner)
     kinds: dict[StateKind, PathDict[Any]] = {k: PathDict() for k in StateKind}
-    for info in mi.states:
-        leaves = [blank(sh, dt) for sh, dt in zip(info.shapes, info.dtypes, strict=True)]
+    for info, ref in zip(mi.states, mi.state_refs.states, strict=True):
+        live = jax.tree.leaves(ref.value) if around_model else []
+        if len(live) != len(info.shapes):
+            live = [None] * len(info.shapes)
+        leaves = [
+            blank(sh, dt, cur) for sh, dt, cur in zip(info.shapes, info.dtypes, live, strict=True)
+        ]
         kinds[info.kind][info.path] = jax.tree.unflatten(info.treedef, leaves)
     state = ModelState(kinds[StateKind.WEIGHT], kinds[StateKind.HIDDEN], kinds[StateKind.OTHER])
     leaves = [draw(np.zeros(shape, dtype)) for shape, dtype in mi.in_avals]
@@ -99,20 +119,33 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
     varies = False  # whether the pattern depends on the point
     with jax.ensure_compile_time_eval():
         small = np.zeros((P, P), dtype=bool)
-        for seed in range(PROBES):  # an edge is a dependence at any of the points
-            scale = _SCALES[seed % len(_SCALES)]
-            point = _random_point(graph, seed, scale)
+        for seed in range(2 * PROBES):  # an edge is a dependence at any of the points
+            scale = _SCALES[(seed // 2) % len(_SCALES)]
+            point = _random_point(graph, seed, scale, around_model=seed % 2 == 1)
             jac = np.asarray(point.transition_jacobian(graph, index))
             edges = np.abs(jac.reshape(P, S, P, S)).sum(axis=(1, 3)) > 0
             found |= edges
             if scale < 1.0:  # a wide point may saturate a tanh to an exact zero slope
-                varies |= seed > 0 and not np.array_equal(edges, small)
+                varies |= seed > 1 and not np.array_equal(edges, small)
                 small |= edges
+    off_diagonal = bool((found & ~np.eye(P, dtype=bool)).any())
+    if not off_diagonal and P > 1 and _recurrent_weight(graph, index):
+        warnings.warn(
+            f"SnAp: hidden group {index}'s previous values feed a weight operation whose "
+            "output reaches the group again, yet no dependence between its positions showed "
+            f"at any of {2 * PROBES} points (around zero and around the model's current "
+            "values): its neighbourhoods hold each position alone, so SnAp runs as "
+            "OSTLRecurrent() here. A dependence that only shows in a narrow range of values "
+            "(a spike threshold far from the probes) is missed; check the model's values, "
+            "or use OSTLRecurrent() or D-RTRL knowingly.",
+            ProbeWarning,
+            stacklevel=2,
+        )
     if varies:
         warnings.warn(
             f"SnAp: the dependences between positions of hidden group {index} differ from "
             f"point to point (a derivative that vanishes over a region, such as a ReLU's); "
-            f"its neighbourhoods are their union over {PROBES} random points, which can miss "
+            f"its neighbourhoods are their union over {2 * PROBES} random points, which can miss "
             "a dependence that is rarely active. OSTLRecurrent() (the whole within-group "
             "transition) has no such risk.",
             ProbeWarning,
@@ -122,7 +155,32 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
 
 
 PROBES = 16
-"""How many random points `SnAp`'s position graph is probed at."""
+"""How many random points around zero `SnAp`'s position graph is probed at; as many
+again around the model's current values."""
+
+
+def _mantissa(value: Any) -> Any:
+    """A state value as a plain array (the mantissa of a quantity with units)."""
+    mantissa = getattr(value, "mantissa", None)
+    return np.asarray(value if mantissa is None else mantissa)
+
+
+def _recurrent_weight(graph: ETraceGraph, index: int) -> bool:
+    """Whether a relation into group `index` reads a value computed from the group's
+    own previous values (a recurrent weight: a dependence between positions)."""
+    from ..compiler._jaxpr import VarTable
+
+    group = graph.hidden_groups[index]
+    jaxpr = graph.module_info.jaxpr
+    vt = VarTable(jaxpr)
+    reach = {vt.var(v) for v in group.hidden_invars}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, Literal) and a in reach for a in eqn.invars):
+            reach.update(eqn.outvars)
+    return any(
+        index in rel.hidden_groups and rel.x_var is not None and vt.var(rel.x_var) in reach
+        for rel in graph.hidden_param_op_relations
+    )
 _SCALES = (0.1, 0.3, 1.0)  # spreads: units switch on and off at different points
 
 
