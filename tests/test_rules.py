@@ -733,8 +733,34 @@ def test_dni_errors() -> None:
             etrax.DRTRL(), graph, state, xs, ts, window=2,
             synthesiser=etrax.SyntheticGradient.zeros(graph),
         )  # fmt: skip
-    with pytest.raises(ValueError, match="learning_rate must be positive"):
-        etrax.Bootstrapped(0.0)
+    for rate in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="learning_rate must be a positive finite number"):
+            etrax.Bootstrapped(rate)
+    wrong_dtype = r"float32.*SyntheticGradient\.zeros\(graph, 'float64'\)"
+    with pytest.raises(etrax.StepInputError, match=wrong_dtype):
+        online(
+            dni, graph, state, xs, ts, window=2,
+            synthesiser=etrax.SyntheticGradient.zeros(graph, "float32"),
+        )  # fmt: skip
+
+
+def test_hyper_parameters_given_as_numpy_or_0d_arrays() -> None:
+    """Settings given as NumPy numbers or concrete 0-d arrays are their Python numbers,
+    for every rule alike; a string or a float count is a `TypeError`; a raw PRNG key
+    that JAX's default implementation cannot read is refused up front."""
+    assert etrax.EProp(jnp.asarray(0.5)).filter == etrax.Kappa(0.5)
+    assert etrax.ThreeFactor(np.int64(2)).chunk_steps == 2
+    assert etrax.SnAp(np.int64(2)) == etrax.SnAp(2)
+    assert etrax.LearningRule(etrax.PerParameter(), chunk_steps=np.int32(3)).chunk_steps == 3
+    # (the runtime type checker of the test run refuses these first; without it,
+    # etrax's own checks raise a TypeError that names the setting)
+    with pytest.raises(TypeError):
+        etrax.EProp("0.5")  # type: ignore[arg-type]
+    for make in (etrax.DRTRL, etrax.ThreeFactor):
+        with pytest.raises(TypeError):
+            make(chunk_steps=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"raw key data must be uint32\[2\]"):
+        etrax.UORO(jnp.zeros(4, jnp.uint32))
 
 
 def test_drivers_return_named_results_that_unpack_as_before() -> None:

@@ -27,18 +27,23 @@ from .._errors import CompilationError
 from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
+from ._base import as_int
 from ._snap import gather_transition, neighbourhood
 
 
 def check_key(owner: str, key: object) -> None:
     """A `TypeError` unless `key` is one PRNG key: typed (``jax.random.key``) or raw
-    (``jax.random.PRNGKey``'s ``uint32[2]``, or ``[4]`` for the ``rbg`` implementation);
-    the field is annotated, but only checked at run time in the tests."""
+    key data of JAX's default implementation (``jax.random.PRNGKey``'s ``uint32[2]``
+    for threefry, ``[4]`` when ``jax_default_prng_impl`` is ``rbg``: raw data is read
+    with the default implementation); the field is annotated, but only checked at run
+    time in the tests."""
     typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.extended)
-    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape in ((2,), (4,))
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape  # the default implementation's
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == raw_shape
     if not ((typed and isinstance(key, jax.Array) and key.shape == ()) or raw):
         raise TypeError(
-            f"{owner}: key must be one PRNG key such as jax.random.key(0), got "
+            f"{owner}: key must be one PRNG key such as jax.random.key(0) (raw key data must "
+            f"be uint32{list(raw_shape)}, JAX's default implementation's), got "
             f"{type(key).__name__} {key!r}"
         )
 
@@ -64,7 +69,15 @@ __all__ = [
 
 
 def _unit_interval(owner: str, name: str, value: object, *, closed_low: bool = True) -> float:
-    """`value` as a float in ``[0, 1)`` (or ``(0, 1)``), else a `ValueError` naming it."""
+    """`value` as a float in ``[0, 1)`` (or ``(0, 1)``), else a `ValueError` naming it
+    (a concrete 0-d array is its number; anything but a real number is a `TypeError`)."""
+    if (
+        isinstance(value, np.ndarray | jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.shape == ()
+        and jnp.issubdtype(value.dtype, jnp.number)
+    ):
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
         raise TypeError(f"{owner}: {name} must be a float in [0, 1), got {value!r}")
     v = float(value)
@@ -239,7 +252,7 @@ class Sparse(Scope):
       creating the traces is a `CompilationError`.
     """
 
-    n: int = eqx.field(static=True)
+    n: int = eqx.field(static=True, converter=as_int)
     max_elements: int = eqx.field(static=True, default=2**24)
     max_trace_elements: int = eqx.field(static=True, default=2**26)
 
@@ -487,9 +500,10 @@ class Bootstrapped(Signal):
     learning_rate: float = eqx.field(static=True, default=0.001)
 
     def __check_init__(self) -> None:
-        if not self.learning_rate > 0:
+        if not (self.learning_rate > 0 and np.isfinite(self.learning_rate)):
             raise ValueError(
-                f"Bootstrapped: learning_rate must be positive, got {self.learning_rate!r}"
+                f"Bootstrapped: learning_rate must be a positive finite number, got "
+                f"{self.learning_rate!r}"
             )
 
     @property

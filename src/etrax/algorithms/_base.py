@@ -7,6 +7,7 @@ from typing import Any, Generic, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from .._errors import CompilationError
@@ -35,12 +36,35 @@ Weights = Sequence[Mapping[str, Array]]
 """Each relation's trainable operand values (`operand_values(graph, params)`)."""
 
 
+def as_int(value: object) -> object:
+    """`value` as a Python int when it is an integer setting given another way (a NumPy
+    integer, a concrete 0-d integer array); anything else unchanged (for the caller's
+    check to refuse)."""
+    if isinstance(value, bool | np.bool_):
+        return value
+    if isinstance(value, np.integer):
+        return int(value)
+    if (
+        isinstance(value, np.ndarray | jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.shape == ()
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    ):
+        return int(value)
+    return value
+
+
 def check_chunk_steps(name: str, steps: object) -> None:
     """Raise `ValueError` unless `steps` (an algorithm's ``chunk_steps``) is a positive
     int or `None` (`default_chunk_steps` then picks it per graph)."""
     if steps is None:
         return
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        raise TypeError(
+            f"{name}: chunk_steps must be a positive int (Python or NumPy integer) or None, "
+            f"got {type(steps).__name__} {steps!r}"
+        )
+    if steps < 1:
         raise ValueError(f"{name}: chunk_steps must be a positive int or None, got {steps!r}")
 
 

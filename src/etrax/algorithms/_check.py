@@ -21,7 +21,7 @@ from .._errors import StepInputError
 from .._typing import Path, PyTree
 from ..compiler import ETraceGraph, WeightRule
 from ..executor import ModelState
-from ._base import OnlineAlgorithm
+from ._base import OnlineAlgorithm, as_int
 from ._drivers import bptt_grad, online_grad
 
 __all__ = ["GradientCheck", "ParamCheck", "check_gradients", "compare_gradients", "t1_tolerance"]
@@ -417,7 +417,7 @@ def check_gradients(
             f"xs has T = {T} steps but targets has {_length(targets, 'targets')}: pass one "
             "target per step"
         )
-    w: object = window
+    w: object = as_int(window)  # a NumPy or 0-d integer is an int, as for online_grad
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
         raise ValueError(f"window must be None or an int in [1, T={T}], got {window!r}")
 
@@ -437,9 +437,8 @@ def check_gradients(
 
     statuses = graph.weight_rules()
     rules = {p: statuses[p].rule for p in reference if p in statuses}
-    unpromised = (
-        set() if algo.symmetric else {p for p, r in rules.items() if r is WeightRule.TRACED}
-    )
+    traced = (WeightRule.TRACED, WeightRule.PARTLY_TRACED)  # traces learn the rule's signal
+    unpromised = set() if algo.symmetric else {p for p, r in rules.items() if r in traced}
     rows = compare_gradients(
         online,
         reference,

@@ -1376,6 +1376,14 @@ def _check_synthesiser(
             "synthesiser does not fit this graph's hidden groups: build it with "
             "etrax.SyntheticGradient.zeros(graph)"
         )
+    dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
+    given = {jnp.dtype(a.dtype) for a in jax.tree.leaves(synthesiser)}
+    if given != {jnp.dtype(dtype)}:
+        raise StepInputError(
+            f"synthesiser holds {sorted(str(d) for d in given)} values but the hidden states "
+            f"are {jnp.dtype(dtype)}: build it with etrax.SyntheticGradient.zeros(graph, "
+            f"{str(jnp.dtype(dtype))!r}) (it is trained in the states' precision)"
+        )
     return synthesiser
 
 

@@ -507,7 +507,10 @@ class OnlineLearner:
         - `loss_fn` (or `step_fn`): ``loss(y_t, target_t) -> scalar`` (with `vmap`,
           one sample's output and target; the objective sums it over the samples).
         - `mask`: per-step weights ``(T,)`` (e.g. 0/1: which steps are scored); the
-          traces still advance at every step.
+          traces still advance at every step. With a modulated rule (`ThreeFactor`),
+          the traced weights learn from the modulators, which neither `mask` nor
+          `reduction` scales (scale the modulators yourself); the other weights learn
+          from the masked, reduced loss.
         - `reduction`: ``"sum"`` (default: ``Σ_t mask_t loss_t``) or ``"mean"``
           (divided by ``max(Σ_t mask_t, 1)``, or by ``T`` without a mask).
         - `loss_output`: which losses `return_value` returns: ``"weighted"``

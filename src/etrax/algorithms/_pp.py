@@ -104,7 +104,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
 
     def __check_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"PPProp: decay must be in [0, 1), got {self.decay}")
+            raise ValueError(f"PPProp / InputOutput: decay must be in [0, 1), got {self.decay}")
 
     @property
     def label(self) -> str:

@@ -21,7 +21,9 @@ from ._axes import (
     RandomFeedback,
     Sparse,
     Symmetric,
+    _unit_interval,
 )
+from ._base import as_int
 from ._drtrl import ParamTraces, PerParameter
 from ._pp import InputOutput, IOTraces, steps_from
 from ._rule import LearningRule
@@ -116,7 +118,7 @@ ESDRTRL = PPProp
 
 
 def EProp(
-    kappa: float = 0.0,
+    kappa: ScalarLike = 0.0,
     feedback: Literal["symmetric", "random"] = "symmetric",
     key: PRNGKeyArray | None = None,
     chunk_steps: SupportsIndex | None = None,
@@ -138,8 +140,7 @@ def EProp(
       `None` (default) picks 32 or ``1`` as for `DRTRL`.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
-    if not 0.0 <= kappa < 1.0:
-        raise ValueError(f"EProp: kappa must be a float in [0, 1), got {kappa!r}")
+    kappa = _unit_interval("EProp", "kappa", kappa)
     if feedback not in ("symmetric", "random"):
         raise ValueError(f"EProp: feedback must be 'symmetric' or 'random', got {feedback!r}")
     if feedback == "random" and key is None:
@@ -180,7 +181,7 @@ def OSTLRecurrent(*, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
     )
 
 
-def SnAp(n: int = 2, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
+def SnAp(n: SupportsIndex = 2, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
     """SnAp-n (Menick et al. 2021): per-parameter traces over the positions each weight
     entry reaches in fewer than ``n`` steps of the whole transition (see `Sparse`).
     ``n = 1`` equals `OSTLRecurrent`; once ``n − 1`` reaches the position graph's
@@ -191,7 +192,10 @@ def SnAp(n: int = 2, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
     - `n`: the neighbourhood's steps, ``≥ 1``.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
-    return LearningRule(PerParameter(), scope=Sparse(n), trace_dtype=trace_dtype, name="SnAp")
+    count = as_int(n)
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"SnAp: n must be an int >= 1 (Python or NumPy integer), got {n!r}")
+    return LearningRule(PerParameter(), scope=Sparse(count), trace_dtype=trace_dtype, name="SnAp")
 
 
 def UORO(key: PRNGKeyArray, *, trace_dtype: Any = None) -> LearningRule[ProjectionTraces]:
@@ -228,7 +232,9 @@ def DNI(learning_rate: float = 0.01, *, trace_dtype: Any = None) -> LearningRule
     )
 
 
-def ThreeFactor(chunk_steps: int = 1, *, trace_dtype: Any = None) -> LearningRule[ParamTraces]:
+def ThreeFactor(
+    chunk_steps: SupportsIndex | None = 1, *, trace_dtype: Any = None
+) -> LearningRule[ParamTraces]:
     """Three-factor (modulated) learning: D-RTRL's per-parameter traces contracted with
     a modulator passed per step as data (``online_grad(..., modulators=ms)``), in place
     of ``∂L/∂h``.

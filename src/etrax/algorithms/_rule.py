@@ -10,7 +10,7 @@ class.
 import abc
 import functools
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, SupportsIndex, TypeVar
 
 import equinox as eqx
 import jax
@@ -37,6 +37,7 @@ from ._base import (
     EffGrads,
     OnlineAlgorithm,
     Weights,
+    as_int,
     check_chunk_steps,
     check_relations,
     default_chunk_steps,
@@ -177,7 +178,7 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         signal: Signal = _SYMMETRIC,
         filter: Filter = _NO_FILTER,  # the axis's name
         *,
-        chunk_steps: int | None = 1,
+        chunk_steps: SupportsIndex | None = 1,
         trace_dtype: Any = None,
         name: str = "LearningRule",
     ) -> None:
@@ -186,7 +187,8 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         self.scope = scope
         self.signal = signal
         self.filter = filter
-        self.chunk_steps = chunk_steps
+        steps: Any = as_int(chunk_steps)  # a NumPy integer is an int; __check_init__ checks
+        self.chunk_steps = steps
         self.trace_dtype = as_dtype(trace_dtype, name)
         self.name = name
 
