@@ -661,9 +661,10 @@ def test_op_arguments_that_do_not_fit_name_the_op() -> None:
 
 
 def test_an_op_argument_error_while_compiling_is_the_ops_own() -> None:
-    """An op's argument error raised while the compiler traces the step reaches the user
-    as it is (naming the op), not wrapped in advice about the example inputs; a custom
-    op bound with fewer operands than its registration names is refused at the call."""
+    """An op's argument error raised while the compiler traces the step keeps the op's
+    own message (naming the op and the argument) and says which of the inputs or the
+    op call to fix; a custom op bound with fewer operands than its registration names
+    is refused at the call."""
 
     class Bad(brainstate.nn.Module):
         def __init__(self) -> None:
@@ -680,9 +681,11 @@ def test_an_op_argument_error_while_compiling_is_the_ops_own() -> None:
 
     model = Bad()
     brainstate.nn.init_all_states(model)
-    with pytest.raises(etrax.OpArgumentError, match="element_wise: weight_fn") as info:
+    with pytest.raises(etrax.InputStructureError, match="inside an etrax op") as info:
         etrax.compile_etrace_graph(model, jnp.ones(3))
-    assert "example inputs" not in str(info.value)
+    assert "element_wise: weight_fn must keep the shape" in str(info.value)
+    assert "fix that call in update()" in str(info.value)
+    assert isinstance(info.value.__cause__, etrax.OpArgumentError)
     gain_p = etrax.register_primitive(
         "probe_gain_no_x", lambda w: 2.0 * w, x_index=None  # trainable: {'weight': 1}
     )

@@ -19,6 +19,7 @@ from .._compat import ClosedJaxpr, equation_location, inner_closed_jaxprs, is_tr
 from .._errors import (
     EtraxError,
     InputStructureError,
+    OpArgumentError,
     NotSupportedError,
     ParamStateWriteError,
     RecursiveCompileError,
@@ -243,7 +244,15 @@ def _trace(
     fn = brainstate.transform.StatefulFunction(model.update, return_only_write=False)
     try:
         fn.make_jaxpr(*args)
-    except EtraxError:  # an op's own argument error: it names the op and the fix
+    except OpArgumentError as err:  # an etrax op refused its operands or arguments
+        raise InputStructureError(
+            f"Tracing {type(model).__name__}.update failed inside an etrax op: {err} If this "
+            "is about the data the op receives, check that the example inputs "
+            f"({_describe_args(args)}) have the structure, shapes and dtypes update() expects "
+            "and the states the matching batch size; if it is about the op's own arguments, "
+            "fix that call in update()."
+        ) from err
+    except EtraxError:
         raise
     except AttributeError as err:
         raise StateNotInitializedError(
