@@ -171,12 +171,16 @@ def test_online_grad_under_shard_map_is_each_devices_own(
                 np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=str(path))
 
 
-class ReluLeak(brainstate.nn.Module):
-    """``h ← 0.9 h + relu(x W + b)`` and a readout: `jax.nn.relu` is a `custom_jvp`
-    whose jaxpr (a nested `jit` of ``max(x, 0.0)``) was traced outside the map."""
+class LoopedLeak(brainstate.nn.Module):
+    """A leaky unit and a readout, whose transition is a loop or a branch the compiler
+    keeps whole (a 20-step `fori_loop`, a `while_loop`, a `cond` under
+    ``if_convert=False``), with literals in the bodies, or calls `jax.nn.relu`, a
+    `custom_jvp` whose jaxpr (a nested `jit` of ``max(x, 0.0)``) was traced outside
+    the map."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
+        self.kind = kind
         self.fc = etrax.nn.Linear(3, 4)
         self.out = etrax.nn.Linear(4, 2)
 
@@ -185,8 +189,20 @@ class ReluLeak(brainstate.nn.Module):
         self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
 
     def update(self, x: Any) -> Any:
-        self.h.value = 0.9 * self.h.value + jax.nn.relu(self.fc(x))
-        return self.out(self.h.value)
+        i, h = self.fc(x), self.h.value
+        if self.kind == "relu":
+            h = 0.9 * h + jax.nn.relu(i)
+        elif self.kind == "fori":
+            h = jax.lax.fori_loop(0, 20, lambda k, v: 0.95 * v + 0.05 * jnp.tanh(i), h)
+        elif self.kind == "while":
+            _, h = jax.lax.while_loop(
+                lambda c: c[0] < 3, lambda c: (c[0] + 1, 0.9 * c[1] + 0.1), (0, h)
+            )
+            h = h + i
+        else:
+            h = jax.lax.cond(jnp.sum(x) > 0, lambda v: 0.9 * v + i, lambda v: 0.5 * v - i, h)
+        self.h.value = h
+        return self.out(h)
 
 
 class SpikingReadout(brainstate.nn.Module):
@@ -203,16 +219,17 @@ class SpikingReadout(brainstate.nn.Module):
         return self.out(self.neu(self.fc(x)))
 
 
-@pytest.mark.parametrize("cls", [ReluLeak, SpikingReadout], ids=["relu", "alif"])
-def test_custom_jvp_models_under_shard_map_and_pmap(cls: Any) -> None:
+@pytest.mark.parametrize("kind", ["relu", "alif"])
+def test_custom_jvp_models_under_shard_map_and_pmap(kind: str) -> None:
     """Models whose step calls a `custom_jvp` function (a spike's surrogate, ReLU):
     the step, `bptt_grad` and every online rule under `jax.shard_map` (then under
     `jax.pmap`, in the same process) equal the single-device results. Re-binding the
     call's jaxpr, made outside the map, mixed varying values with invariant literals
     (a raw JAX error), and the rule's JVP jaxpr, traced once, must not keep the mesh
     of the first map it ran under."""
-    full_model, _ = build(cls, batch=4)
-    local_model, _ = build(cls, batch=2)
+    args = (SpikingReadout,) if kind == "alif" else (LoopedLeak, "relu")
+    full_model, _ = build(*args, batch=4)
+    local_model, _ = build(*args, batch=2)
     full = etrax.compile_etrace_graph(full_model, jnp.zeros((4, 3)))
     local = etrax.compile_etrace_graph(local_model, jnp.zeros((2, 3)))
     state = etrax.state_of(full)
@@ -269,36 +286,6 @@ def test_custom_jvp_models_under_shard_map_and_pmap(cls: Any) -> None:
     for got in (summed, pmapped):
         for a, b in zip(jax.tree.leaves(got), want, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=TOL)
-
-
-class LoopedLeak(brainstate.nn.Module):
-    """A leaky unit whose transition is a loop or a branch the compiler keeps whole
-    (a 20-step `fori_loop`, a `while_loop`, a `cond` under ``if_convert=False``),
-    with literals in the bodies, and a readout."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.fc = etrax.nn.Linear(3, 4)
-        self.out = etrax.nn.Linear(4, 2)
-
-    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
-        shape = (4,) if batch_size is None else (batch_size, 4)
-        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
-
-    def update(self, x: Any) -> Any:
-        i, h = self.fc(x), self.h.value
-        if self.kind == "fori":
-            h = jax.lax.fori_loop(0, 20, lambda k, v: 0.95 * v + 0.05 * jnp.tanh(i), h)
-        elif self.kind == "while":
-            _, h = jax.lax.while_loop(
-                lambda c: c[0] < 3, lambda c: (c[0] + 1, 0.9 * c[1] + 0.1), (0, h)
-            )
-            h = h + i
-        else:
-            h = jax.lax.cond(jnp.sum(x) > 0, lambda v: 0.9 * v + i, lambda v: 0.5 * v - i, h)
-        self.h.value = h
-        return self.out(h)
 
 
 @pytest.mark.parametrize("kind", ["fori", "while", "cond"])
