@@ -119,7 +119,7 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
     varies = False  # whether the pattern depends on the point
     with jax.ensure_compile_time_eval():
         small = np.zeros((P, P), dtype=bool)
-        for seed in range(2 * PROBES):  # an edge is a dependence at any of the points
+        for seed in range(PROBES):  # an edge is a dependence at any of the points
             scale = _SCALES[(seed // 2) % len(_SCALES)]
             point = _random_point(graph, seed, scale, around_model=seed % 2 == 1)
             jac = np.asarray(point.transition_jacobian(graph, index))
@@ -133,7 +133,7 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
         warnings.warn(
             f"SnAp: hidden group {index}'s previous values feed a weight operation whose "
             "output reaches the group again, yet no dependence between its positions showed "
-            f"at any of {2 * PROBES} points (around zero and around the model's current "
+            f"at any of {PROBES} points (around zero and around the model's current "
             "values): its neighbourhoods hold each position alone, so SnAp runs as "
             "OSTLRecurrent() here. A dependence that only shows in a narrow range of values "
             "(a spike threshold far from the probes) is missed; check the model's values, "
@@ -145,7 +145,7 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
         warnings.warn(
             f"SnAp: the dependences between positions of hidden group {index} differ from "
             f"point to point (a derivative that vanishes over a region, such as a ReLU's); "
-            f"its neighbourhoods are their union over {2 * PROBES} random points, which can miss "
+            f"its neighbourhoods are their union over {PROBES} random points, which can miss "
             "a dependence that is rarely active. OSTLRecurrent() (the whole within-group "
             "transition) has no such risk.",
             ProbeWarning,
@@ -155,8 +155,8 @@ def _adjacency(graph: ETraceGraph, index: int, max_elements: int) -> np.ndarray:
 
 
 PROBES = 16
-"""How many random points around zero `SnAp`'s position graph is probed at; as many
-again around the model's current values."""
+"""How many random points `SnAp`'s position graph is probed at: half around zero, half
+around the model's current values."""
 
 
 def _mantissa(value: Any) -> Any:
