@@ -311,8 +311,12 @@ def test_targets_that_do_not_fit_are_blamed(
     bad = {"a": jnp.zeros((4, 4)), "b": jnp.zeros((4, 4))}
     for run in _drivers(problem):
         # a shape that does not broadcast against y_t
-        with no_xla_compilation(), pytest.raises(etrax.StepInputError, match=r"\(4,\).*\(5,\)"):
+        with (
+            no_xla_compilation(),
+            pytest.raises(etrax.StepInputError, match=r"\(4,\).*\(5,\)") as info,
+        ):
             run(wide, mse)
+        assert ".." not in str(info.value)  # JAX's own sentence ends once
         # a structure that does not match y_t
         with no_xla_compilation(), pytest.raises(etrax.StepInputError, match="fit loss_fn"):
             run(bad, tree_mse)
@@ -490,6 +494,21 @@ def test_numpy_window_traced_decay_and_nested_lists() -> None:
     with pytest.raises(etrax.StepInputError, match=r"jnp\.asarray\(xs\)") as info:
         etrax.online_grad(graph, rule, state, tr, np.ones((50, 3)).tolist(), ts, mse)
     assert len(str(info.value)) < 300
+    # where the numbers arrive traced, as 0-d arrays: a learner's program, a user's jit
+    learner = etrax.compile(model, rule, x)
+    nested = np.ones((4, 3)).tolist()
+
+    def jitted(seq: Any) -> Any:
+        return etrax.online_grad(graph, rule, state, tr, seq, ts, mse).grads
+
+    for call in (
+        lambda: learner.etrace_grad(nested, ts, mse),
+        lambda: jax.jit(jitted)(nested),
+        lambda: learner.etrace_grad(xs, np.zeros((4, 4)).tolist(), mse),
+    ):
+        with pytest.raises(etrax.StepInputError, match=r"nested list\?.*jnp\.asarray") as info:
+            call()
+        assert len(str(info.value)) < 300
 
 
 def test_differentiating_through_an_online_gradient_is_refused() -> None:

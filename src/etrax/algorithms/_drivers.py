@@ -1005,8 +1005,8 @@ def _check_sequences(
     t_leaves = jax.tree.leaves(targets)
     if not x_leaves:
         raise StepInputError("xs holds no arrays: pass inputs with a leading time axis")
-    for name, group in (("xs", x_leaves), ("targets", t_leaves)):
-        if any(isinstance(a, numbers.Number) for a in group):
+    for name, tree, group in (("xs", xs, x_leaves), ("targets", targets, t_leaves)):
+        if any(isinstance(a, numbers.Number) for a in group) or _nested_numbers(tree, group):
             raise StepInputError(
                 f"{name} holds Python numbers as leaves (a nested list?): convert it to an "
                 f"array with a leading time axis first, e.g. jnp.asarray({name})"
@@ -1029,6 +1029,17 @@ def _check_sequences(
     check_sequence_length(T)
     check_time_major(graph, xs, "xs and targets are")
     return T
+
+
+def _nested_numbers(tree: Any, leaves: list[Any]) -> bool:
+    """Whether `tree` looks like a nested Python list or tuple of numbers: a list or
+    tuple whose leaves are all scalars, at least two of them. Under `jax.jit` (a
+    learner's program) the numbers arrive as 0-d tracers, not as Python numbers."""
+    return (
+        isinstance(tree, list | tuple)
+        and len(leaves) > 1
+        and all(shape_dtype(a)[0] == () for a in leaves)
+    )
 
 
 def check_time_major(graph: ETraceGraph, xs: Any, what: str) -> None:
@@ -1110,7 +1121,7 @@ def _check_loss(
         raise StepInputError(
             f"loss_fn(y_t, target_t) failed for y_t {jax.tree.map(lambda a: a.shape, y)} and "
             f"target_t {jax.tree.map(lambda a: a.shape, target0)}: {type(err).__name__}: "
-            f"{err}. Pass targets whose per-step slices fit loss_fn."
+            f"{str(err).rstrip('.')}. Pass targets whose per-step slices fit loss_fn."
         ) from err
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):

@@ -19,8 +19,8 @@ from .._compat import ClosedJaxpr, equation_location, inner_closed_jaxprs, is_tr
 from .._errors import (
     EtraxError,
     InputStructureError,
-    OpArgumentError,
     NotSupportedError,
+    OpArgumentError,
     ParamStateWriteError,
     RecursiveCompileError,
     StateNotInitializedError,
