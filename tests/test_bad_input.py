@@ -511,6 +511,33 @@ def test_numpy_window_traced_decay_and_nested_lists() -> None:
         assert len(str(info.value)) < 300
 
 
+def test_a_batch_size_the_example_inputs_do_not_have_is_named() -> None:
+    """`etrax.compile` with a `batch_size` that the example inputs' leading axis does not
+    have: the tracing error also names both sizes and says what to pass."""
+    model, _ = build(etrax.nn.GRUCell, 3, 4)
+    for batch_size, x0 in ((8, jnp.zeros((4, 3))), (4, jnp.zeros((5, 3)))):
+        with pytest.raises(etrax.InputStructureError) as info:
+            etrax.compile(model, etrax.DRTRL(), x0, batch_size=batch_size)
+        message = str(info.value)
+        assert f"batch_size={batch_size}" in message
+        assert f"lead with [{x0.shape[0]}]" in message
+        assert ".." not in message
+    # an input that does lead with batch_size keeps the tracing error as it was
+    class TwoInputs(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = etrax.nn.GRUCell(3, 4)
+
+        def update(self, x: Array, y: Array) -> Array:
+            return self.cell(x) + y
+
+    with pytest.raises(etrax.InputStructureError) as info:
+        etrax.compile(
+            TwoInputs(), etrax.DRTRL(), jnp.zeros((2, 3)), jnp.zeros((2, 5)), batch_size=2
+        )
+    assert "batch_size=2" not in str(info.value)
+
+
 def test_differentiating_through_an_online_gradient_is_refused() -> None:
     """An online gradient's values are exact for its rule, but its derivatives are not
     (the traces hold the step's weight operations constant): `jax.grad` through

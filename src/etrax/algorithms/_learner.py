@@ -20,7 +20,7 @@ from jaxtyping import Array
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .._compat import constant_outputs, is_prng_key, is_tracer
-from .._errors import SilentNetworkWarning, StepInputError
+from .._errors import InputStructureError, SilentNetworkWarning, StepInputError
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
 from ..compiler import (
@@ -929,6 +929,11 @@ def _first_sample(args: tuple[Any, ...], batch_size: int) -> tuple[Any, ...]:
     return tuple(_leafwise(args, lambda xp, a: a[0]))
 
 
+def _leading_sizes(example_inputs: tuple[Any, ...]) -> set[int]:
+    """The leading axis sizes of the example inputs' array leaves (0-d leaves left out)."""
+    return {int(np.shape(a)[0]) for a in jax.tree.leaves(example_inputs) if np.ndim(a) > 0}
+
+
 def compile(
     model: brainstate.nn.Module,
     algorithm: OnlineAlgorithm[Any] | str | Callable[[], OnlineAlgorithm[Any]],
@@ -985,7 +990,17 @@ def compile(
     if seed is not None:
         brainstate.random.seed(seed)
     brainstate.nn.init_all_states(model, batch_size=None if vmap else batch_size)
-    graph = compile_etrace_graph(model, *example_inputs, policy=policy)
+    try:
+        graph = compile_etrace_graph(model, *example_inputs, policy=policy)
+    except InputStructureError as err:
+        leading = _leading_sizes(example_inputs)
+        if vmap or batch_size is None or not leading or batch_size in leading:
+            raise
+        raise InputStructureError(
+            f"{err} Here batch_size={batch_size}, but the example inputs lead with "
+            f"{sorted(leading)}: pass one step's inputs with the batch axis first, of size "
+            "batch_size (or leave batch_size out for an unbatched model)."
+        ) from err
     if verbose:
         print(CompilationReport(graph))
     check_relations(graph, algo.name)

@@ -263,9 +263,10 @@ def _trace(
     except (TypeError, ValueError) as err:
         raise InputStructureError(
             f"Tracing {type(model).__name__}.update failed for example inputs "
-            f"({_describe_args(args)}): {type(err).__name__}: {err}. Check that the example "
-            "inputs have the structure, shapes and dtypes update() expects (and that the "
-            "model's states were initialised with the matching batch size)."
+            f"({_describe_args(args)}): {type(err).__name__}: {str(err).rstrip('.')}. Check "
+            "that the example inputs have the structure, shapes and dtypes update() "
+            "expects (and that the model's states were initialised with the matching batch "
+            "size)."
         ) from err
     key = fn.get_arg_cache_key(*args)
     closed = fn.get_jaxpr_by_cache(key)
