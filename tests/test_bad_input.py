@@ -637,6 +637,12 @@ def test_lower_level_entry_points_check_their_inputs() -> None:
     no_hidden = etrax.ModelState(state.params, etrax.PathDict(), state.other)
     with pytest.raises(etrax.StepInputError, match="missing"):
         rule.init(graph, no_hidden)
+    # another graph's state: the leaf is named by its path inside the parameter
+    wider = etrax.nn.GRUCell(3, 6)
+    brainstate.nn.init_all_states(wider, batch_size=B)
+    foreign = etrax.state_of(etrax.compile_etrace_graph(wider, jnp.zeros((B, 3))))
+    with pytest.raises(etrax.StepInputError, match=r"\]\['(bias|weight)'\] has shape"):
+        rule.init(graph, foreign)
 
 
 def test_op_arguments_that_do_not_fit_name_the_op() -> None:

@@ -184,16 +184,16 @@ def _describe(value: Any) -> str:
 def _check_leaves(
     where: str, value: PyTree, treedef: Any, shapes: Sequence[Any], dtypes: Sequence[Any]
 ) -> None:
-    leaves, got_def = jax.tree.flatten(value)
+    keyed, got_def = jax.tree_util.tree_flatten_with_path(value)
     if got_def != treedef:
         raise StepInputError(
             f"{where} has structure {got_def}, expected {treedef}. Pass values with the "
             "structure the graph was compiled with."
         )
-    for k, (leaf, shape, dtype) in enumerate(zip(leaves, shapes, dtypes, strict=True)):
+    for (key, leaf), shape, dtype in zip(keyed, shapes, dtypes, strict=True):
         leaf_shape, leaf_dtype = shape_dtype(leaf)
         if leaf_shape != tuple(shape) or not same_dtype(leaf_dtype, dtype):
-            at = f"{where}" if len(leaves) == 1 else f"{where} (leaf {k})"
+            at = where if len(keyed) == 1 else f"{where}{jax.tree_util.keystr(key)}"
             fix = (
                 "recompile for other shapes (e.g. another batch size)"
                 if leaf_shape != tuple(shape)
