@@ -95,8 +95,16 @@ def test_pure_checkpoint_round_trip_and_mismatch(tmp_path: pathlib.Path) -> None
         np.testing.assert_array_equal(a, b)
     other = etrax.compile(Net(), etrax.DRTRL(), jnp.zeros((B, 2), jnp.float32), batch_size=B)
     like = etrax.Checkpoint(etrax.state_of(other.graph), other.traces, None)
-    with pytest.raises(etrax.StepInputError, match="does not fit the template"):
+    with pytest.raises(etrax.StepInputError, match="does not fit the template") as info:
         etrax.load_checkpoint(tmp_path / "c.eqx", like)
+    assert ".." not in str(info.value)
+    # a file that is not a checkpoint at all says so (and names its first bytes)
+    (tmp_path / "notes.txt").write_text("not arrays")
+    for path in (tmp_path / "notes.txt", str(tmp_path / "notes.txt")):
+        with pytest.raises(etrax.StepInputError, match=r"not a checkpoint.*b'not ar"):
+            etrax.load_checkpoint(path, ckpt)
+    with pytest.raises(etrax.StepInputError, match="not a checkpoint"):
+        lrn.load(tmp_path / "notes.txt")
 
 
 def test_a_checkpoint_of_another_dtype_is_refused(tmp_path: pathlib.Path) -> None:

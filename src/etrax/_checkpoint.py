@@ -84,16 +84,40 @@ def load_checkpoint(
                 loaded: Checkpoint[TraceT, OptT] = _read_checkpoint(f, like, partial)
         else:
             loaded = _read_checkpoint(path_or_file, like, partial)
+    except StepInputError:
+        raise
     except (RuntimeError, ValueError) as err:
         root: BaseException = err  # equinox wraps the leaf's own error: name both
         while (root.__cause__ or root.__context__) is not None:
             root = root.__cause__ or root.__context__  # type: ignore[assignment]
         detail = f"{err}" if root is err else f"{err}: {root}"
         raise StepInputError(
-            f"the checkpoint does not fit the template: {detail}. Build the template from the "
-            "same model (and batch size), rule and optimiser as the saved run."
+            f"the checkpoint does not fit the template: {detail.rstrip('.')}. Build the "
+            "template from the same model (and batch size), rule and optimiser as the saved "
+            "run."
         ) from err
     return loaded
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+"""How every array `save_checkpoint` writes begins (NumPy's ``.npy`` format)."""
+
+
+def _check_magic(f: BinaryIO) -> None:
+    """Refuse a file that does not begin like a checkpoint (a file of something else:
+    equinox would report a pickling error at the first leaf); a stream that cannot
+    seek is left to the leaf reader."""
+    if not f.seekable():
+        return
+    at = f.tell()
+    head = f.read(len(_NPY_MAGIC))
+    f.seek(at)
+    if head and head != _NPY_MAGIC:  # an empty file is left to the leaf reader too
+        raise StepInputError(
+            "this is not a checkpoint written by etrax.save_checkpoint or learner.save: it "
+            f"does not begin with a NumPy array (its first bytes are {head!r}). Check the "
+            "path."
+        )
 
 
 def _read_checkpoint(
@@ -102,6 +126,7 @@ def _read_checkpoint(
     """Read `like`'s leaves from `f`; unless `partial`, refuse a file with arrays left
     over (saved from a larger template: another optimiser's state would otherwise be
     dropped)."""
+    _check_magic(f)
     loaded: Checkpoint[TraceT, OptT] = eqx.tree_deserialise_leaves(
         f, like, filter_spec=_exactly_like
     )
