@@ -267,6 +267,27 @@ def test_non_float_hidden_and_dynamic_states() -> None:
     assert graph.module_info.hidden_paths == (("h",),)
     assert graph.explain(kind=K.HIDDEN_STATE_NOT_FLOAT)
     assert ("t",) in graph.report().dynamic_states
+    # the integer HiddenState is carried untraced, and said to be one (not "not a
+    # HiddenState"); the report points at the reason
+    dynamic = {r.hidden_paths[0]: r.message for r in graph.explain(kind=K.DYNAMIC_STATE)}
+    assert "cannot be traced" in dynamic[("count",)]
+    assert "is not a HiddenState" in dynamic[("t",)]
+    assert "see hidden_state_not_float" in str(graph.report())
+
+
+def test_a_model_whose_only_hidden_state_is_an_integer_is_refused_with_the_reason() -> None:
+    class Counter(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = brainstate.ParamState(jnp.ones((3, 4)))
+            self.h = brainstate.HiddenState(jnp.zeros((4,), jnp.int32))
+
+        def update(self, x: Array) -> Array:
+            self.h.value = self.h.value + (x @ self.w.value).astype(jnp.int32)
+            return self.h.value.astype(x.dtype)
+
+    with pytest.raises(etrax.CompilationError, match=r"\[\('h',\)\] cannot be traced"):
+        etrax.compile(Counter(), etrax.DRTRL(), jnp.ones(3))
 
 
 def test_tied_weight_gives_one_relation_per_call_site() -> None:

@@ -101,9 +101,23 @@ def loop_hint(graph: ETraceGraph) -> str:
     )
 
 
+def _untraceable_hint(graph: ETraceGraph) -> str:
+    """Advice for a graph whose hidden states could not be traced (not floating point,
+    or a pytree); empty otherwise."""
+    paths = [
+        p for r in graph.explain(kind=DiagnosticKind.HIDDEN_STATE_NOT_FLOAT) for p in r.hidden_paths
+    ]
+    if not paths:
+        return ""
+    return (
+        f" The HiddenState(s) {paths} cannot be traced: a traced hidden state is one "
+        "floating-point array (graph.explain() says why for each)."
+    )
+
+
 def check_relations(graph: ETraceGraph, name: str) -> None:
     if not graph.hidden_param_op_relations:
-        hint = loop_hint(graph)
+        hint = loop_hint(graph) + _untraceable_hint(graph)
         raise CompilationError(
             f"{name} needs at least one weight traced into a hidden state, but this graph has "
             "no relations (see graph.report()). Use etrax.bptt_grad, or build the model from "

@@ -427,12 +427,17 @@ def _state_info(
         num_state=num_state,
     )
     if kind is StateKind.OTHER and isinstance(st, brainstate.ShortTermState) and written:
+        why = (
+            "is a HiddenState that cannot be traced (see hidden_state_not_float)"
+            if isinstance(st, brainstate.HiddenState)
+            else "is not a HiddenState"
+        )
         records.append(
             record(
                 DiagnosticKind.DYNAMIC_STATE,
                 DiagnosticLevel.INFO,
-                f"{type(st).__name__} {p} is carried across steps but is not a HiddenState: "
-                "gradients do not flow through it over time.",
+                f"{type(st).__name__} {p} is carried across steps but {why}: gradients do not "
+                "flow through it over time.",
                 hidden_paths=(p,),
             )
         )

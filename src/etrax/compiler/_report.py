@@ -79,11 +79,18 @@ class CompilationReport:
         }
         if self.dynamic_states:
             lines.append("States carried across steps but not traced:")
+            untraceable = {
+                p
+                for r in g.explain(kind=DiagnosticKind.HIDDEN_STATE_NOT_FLOAT)
+                for p in r.hidden_paths
+            }
             for i, p in enumerate(self.dynamic_states):
                 note = (
                     f"  [carries the influence of {list(carried[p])} to the next step: "
                     "see carried_state_route]"
                     if p in carried
+                    else "  [a HiddenState that cannot be traced: see hidden_state_not_float]"
+                    if p in untraceable
                     else ""
                 )
                 lines.append(f"   State {i}: {p}{note}")
