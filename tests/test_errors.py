@@ -5,6 +5,7 @@ from typing import Any
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from beartype.roar import BeartypeCallHintParamViolation
 from jaxtyping import Array, ArrayLike
@@ -102,6 +103,47 @@ def test_example_inputs_do_not_match_update(args: tuple[Any, ...], pattern: str)
     model, _ = build(etrax.nn.GRUCell, 3, 4)
     with pytest.raises(etrax.InputStructureError, match=pattern):
         etrax.compile_etrace_graph(model, *args)
+
+
+class _NeedsValues(brainstate.nn.Module):
+    """A step whose Python code needs its input's value (`how`)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc = etrax.nn.Linear(3, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: Array) -> Array:
+        if self.how == "branch":
+            if x.sum() > 0:  # a Python branch on a traced value
+                x = 2 * x
+        elif self.how == "numpy":
+            x = jnp.asarray(np.asarray(x))
+        else:
+            x = x * int(x[0])
+        self.h.value = jnp.tanh(0.5 * self.h.value + self.fc(x))
+        return self.h.value
+
+
+@pytest.mark.parametrize(
+    ("how", "jax_error"),
+    [
+        ("branch", "TracerBoolConversionError"),
+        ("numpy", "TracerArrayConversionError"),
+        ("int", "ConcretizationTypeError|TracerIntegerConversionError"),
+    ],
+)
+def test_a_step_that_needs_its_values_in_python_is_explained(how: str, jax_error: str) -> None:
+    """Python that needs a traced value (a branch, NumPy, `int`) is a `NotSupportedError`
+    that says why the step cannot do that and what to use instead, not a remark about
+    the example inputs."""
+    with pytest.raises(etrax.NotSupportedError, match=jax_error) as info:
+        etrax.compile_etrace_graph(_NeedsValues(how), jnp.ones(3))
+    message = str(info.value)
+    assert "jax.lax.cond" in message and "traced once" in message
+    assert "example inputs" not in message
+    assert "\n" not in message  # JAX's first line only
 
 
 def test_etp_weight_is_not_a_param_state() -> None:

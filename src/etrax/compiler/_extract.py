@@ -237,6 +237,15 @@ def _check_model(model: object, args: tuple[Any, ...]) -> dict[Path, Any]:
     return retrieved
 
 
+_VALUE_DEPENDENT = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+"""JAX's errors for Python code that needs a traced array's value (the bool case,
+`jax.errors.TracerBoolConversionError`, is a `ConcretizationTypeError`)."""
+
+
 def _trace(
     model: brainstate.nn.Module, args: tuple[Any, ...]
 ) -> tuple[ClosedJaxpr, States, set[brainstate.State[Any]], Any]:
@@ -259,6 +268,16 @@ def _trace(
             f"Tracing {type(model).__name__}.update failed with AttributeError: {err}. "
             "If this names a state attribute, the model's states are not initialised: call "
             "brainstate.nn.init_all_states(model) before compiling."
+        ) from err
+    except _VALUE_DEPENDENT as err:
+        first = str(err).split("\n", 1)[0].rstrip(".")
+        raise NotSupportedError(
+            f"Tracing {type(model).__name__}.update failed: {type(err).__name__}: {first}. "
+            "update() is traced once into a program, so it cannot branch in Python on an "
+            "array's value (if x.sum() > 0: ...) or turn a traced array into a NumPy array or "
+            "a Python number (np.asarray(x), float(x), int(x)). Use jnp functions, jnp.where "
+            "or jax.lax.cond instead, or keep such values static (Python numbers set at "
+            "construction)."
         ) from err
     except (TypeError, ValueError) as err:
         raise InputStructureError(
