@@ -1,11 +1,14 @@
 """The layer zoo: structure of each layer's graph, its Jacobians against the
 `jax.jacrev` oracle, and exactness of D-RTRL where the recurrence is diagonal."""
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import brainstate
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from jaxtyping import Array, ArrayLike
@@ -238,12 +241,64 @@ def test_layers_train_online_with_pp_prop(case: ModelCase) -> None:
 def test_neuron_size_validation() -> None:
     assert etrax.nn.LIF((6, 3)).size == (6, 3)
     assert etrax.nn.ALIF(4).size == (4,)
-    with pytest.raises(ValueError, match="size must be"):
+    with pytest.raises(ValueError, match=r"size\[1\] must be a positive int, got 0"):
         etrax.nn.LIF((3, 0))
     with pytest.raises(ValueError, match="size must be"):
         etrax.nn.ALIF(())
     with pytest.raises(TypeError):
         etrax.nn.LIF(2.5)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _no_runtime_type_checks() -> Iterator[None]:
+    """The suite's jaxtyping + beartype checks paused: a user without them reaches the
+    layers' own checks, which this exercises."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "pattern"),
+    [
+        (
+            lambda v: etrax.nn.GRUCell(v, 4),
+            ValueError,
+            "GRUCell: num_in must be a positive int, got 0",
+        ),
+        (lambda v: etrax.nn.LSTMCell(3, v), ValueError, "LSTMCell: num_out must be a positive int"),
+        (
+            lambda v: etrax.nn.Linear(v, 3),
+            ValueError,
+            "Linear: in_size must be a positive int, got 0",
+        ),
+        (lambda v: etrax.nn.Linear(3, (2, v)), ValueError, r"Linear: out_size\[-1\] must be"),
+        (lambda v: etrax.nn.Conv2d(v, 3, 3), ValueError, "Conv2d: in_channels must be"),
+        (lambda v: etrax.nn.Embedding(v, 3), ValueError, "Embedding: num_embeddings must be"),
+        (lambda v: etrax.nn.LoRA(3, v, 2), ValueError, "LoRA: rank must be a positive int"),
+        (lambda v: etrax.nn.GroupedLinear(v, 3, 2), ValueError, "GroupedLinear: groups must be"),
+        (lambda v: etrax.nn.SparseLinear(3, v), ValueError, "SparseLinear: out_size must be"),
+        (lambda v: etrax.nn.LRUCell(v, 3), ValueError, "LRUCell: d_model must be"),
+        (lambda v: etrax.nn.LeakyRateReadout(3, v), ValueError, "LeakyRateReadout: out_size"),
+    ],
+)
+def test_layer_sizes_are_checked_by_the_layer(make: Any, error: type, pattern: str) -> None:
+    """A size of zero (or less) is a `ValueError` naming the layer and the argument, and
+    a size that is not an integer a `TypeError` (not a failure deep in the
+    initialiser or in XLA); NumPy integers are sizes too."""
+    with pytest.raises(error, match=pattern):
+        make(0)
+    with pytest.raises(ValueError, match="positive int"):
+        make(-2)
+    with _no_runtime_type_checks():
+        with pytest.raises(TypeError, match=r"must be a positive int, got (float 2\.5|str 'a')"):
+            make(2.5)
+        with pytest.raises(TypeError, match="must be a positive int, got bool"):
+            make(True)
+        make(np.int64(2))
 
 
 @pytest.mark.parametrize("batch_size", [None, 3])

@@ -9,7 +9,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ..ops import element_wise
-from ._common import Initializer, init_param
+from ._common import Initializer, init_param, positive_int
 from ._linear import Linear
 from ._rnn import _Cell
 
@@ -202,6 +202,8 @@ class LRUCell(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
+        d_model = positive_int("LRUCell: d_model", d_model)
+        d_hidden = positive_int("LRUCell: d_hidden", d_hidden)
         if not 0.0 <= r_min < r_max <= 1.0:
             raise ValueError(f"need 0 <= r_min < r_max <= 1, got {r_min}, {r_max}")
         self.d_model = d_model

@@ -1,5 +1,6 @@
 """Helpers shared by the layers."""
 
+import numbers
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -9,11 +10,40 @@ import jax
 import numpy as np
 from jaxtyping import Array
 
-__all__ = ["Activation", "Initializer", "init_param", "resolve_activation"]
+__all__ = [
+    "Activation",
+    "Initializer",
+    "feature_size",
+    "init_param",
+    "positive_int",
+    "resolve_activation",
+]
 
 Activation: TypeAlias = str | Callable[[Array], Array]
 Initializer: TypeAlias = Any
 """A brainstate initializer (e.g. ``brainstate.nn.init.KaimingNormal()``) or an array."""
+
+
+def positive_int(name: str, value: object) -> int:
+    """`value` as a positive Python int (NumPy integers accepted): a layer's size. A
+    `TypeError` for anything but an integer (a float, a string, a bool), a `ValueError`
+    for zero or less, each naming the argument."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"{name} must be a positive int, got {n}")
+    return n
+
+
+def feature_size(name: str, value: object) -> int:
+    """A feature size given as an int or, as brainstate's layers take it, a tuple whose
+    last entry is the size."""
+    if isinstance(value, tuple | list):
+        if not value:
+            raise ValueError(f"{name} must be a positive int or a non-empty tuple, got {value!r}")
+        return positive_int(f"{name}[-1]", value[-1])
+    return positive_int(name, value)
 
 
 def resolve_activation(activation: Activation) -> Callable[[Array], Array]:

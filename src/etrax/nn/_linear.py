@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from ..ops import matmul
-from ._common import Initializer, init_param
+from ._common import Initializer, feature_size, init_param
 
 __all__ = ["Linear"]
 
@@ -46,8 +46,8 @@ class Linear(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        n_in = in_size if isinstance(in_size, int) else in_size[-1]
-        n_out = out_size if isinstance(out_size, int) else out_size[-1]
+        n_in = feature_size("Linear: in_size", in_size)
+        n_out = feature_size("Linear: out_size", out_size)
         self.in_size = (n_in,)
         self.out_size = (n_out,)
         if w_init is None:

@@ -1,7 +1,6 @@
 """Spiking neurons: leaky integrate-and-fire with soft reset, with and without adaptation."""
 
 import math
-import operator
 
 import brainstate
 import jax
@@ -9,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
-from ._common import init_param
+from ._common import init_param, positive_int
 from ._surrogate import ReluGrad, Surrogate, spike
 
 __all__ = ["ALIF", "LIF"]
@@ -22,10 +21,11 @@ def _check_positive(**values: float) -> None:
 
 
 def _shape_of(size: int | tuple[int, ...]) -> tuple[int, ...]:
-    shape = tuple(operator.index(n) for n in ((size,) if isinstance(size, int) else size))
-    if not shape or any(n <= 0 for n in shape):
-        raise ValueError(f"size must be a positive int or a tuple of positive ints, got {size!r}")
-    return shape
+    if isinstance(size, tuple | list):
+        if not size:
+            raise ValueError("size must be a positive int or a tuple of positive ints, got ()")
+        return tuple(positive_int(f"size[{i}]", n) for i, n in enumerate(size))
+    return (positive_int("size", size),)
 
 
 class _Leaky(brainstate.nn.Module):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from ..ops import matmul
-from ._common import Initializer, init_param
+from ._common import Initializer, init_param, positive_int
 
 __all__ = ["LeakyRateReadout"]
 
@@ -34,6 +34,8 @@ class LeakyRateReadout(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
+        in_size = positive_int("LeakyRateReadout: in_size", in_size)
+        out_size = positive_int("LeakyRateReadout: out_size", out_size)
         if tau <= 0 or dt <= 0:
             raise ValueError(f"tau and dt must be positive, got tau={tau}, dt={dt}")
         self.in_size = (in_size,)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ._common import Activation, Initializer, init_param, resolve_activation
+from ._common import Activation, Initializer, init_param, positive_int, resolve_activation
 from ._linear import Linear
 
 __all__ = [
@@ -36,8 +36,9 @@ class _Cell(brainstate.nn.Module):
         name: str | None,
     ) -> None:
         super().__init__(name=name)
-        if num_in <= 0 or num_out <= 0:
-            raise ValueError(f"num_in and num_out must be positive, got {num_in}, {num_out}")
+        cell = type(self).__name__
+        num_in = positive_int(f"{cell}: num_in", num_in)
+        num_out = positive_int(f"{cell}: num_out", num_out)
         self.num_in = num_in
         self.num_out = num_out
         self.in_size = (num_in,)

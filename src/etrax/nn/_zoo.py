@@ -7,7 +7,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ..ops import SparsePattern, conv, embedding, grouped_matmul, lora_matmul, sparse_matmul
-from ._common import Initializer, init_param
+from ._common import Initializer, init_param, positive_int
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "Embedding", "GroupedLinear", "LoRA", "SparseLinear"]
 
@@ -38,8 +38,8 @@ class _ConvNd(brainstate.nn.Module):
     ) -> None:
         super().__init__(name=name)
         n = self.spatial
-        if in_channels < 1 or out_channels < 1:
-            raise ValueError("in_channels and out_channels must be positive")
+        in_channels = positive_int(f"{type(self).__name__}: in_channels", in_channels)
+        out_channels = positive_int(f"{type(self).__name__}: out_channels", out_channels)
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.kernel_size = _int_tuple(kernel_size, n, "kernel_size")
@@ -143,6 +143,8 @@ class SparseLinear(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
+        in_size = positive_int("SparseLinear: in_size", in_size)
+        out_size = positive_int("SparseLinear: out_size", out_size)
         if mask is None:
             if not 0.0 < density <= 1.0:
                 raise ValueError(f"density must be in (0, 1], got {density}")
@@ -193,6 +195,9 @@ class GroupedLinear(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
+        groups = positive_int("GroupedLinear: groups", groups)
+        in_size = positive_int("GroupedLinear: in_size", in_size)
+        out_size = positive_int("GroupedLinear: out_size", out_size)
         if w_init is None:
             w_init = brainstate.nn.init.KaimingNormal()
         params = {"weight": init_param(w_init, (groups, in_size, out_size))}
@@ -234,8 +239,9 @@ class LoRA(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
-        if rank < 1:
-            raise ValueError(f"rank must be positive, got {rank}")
+        in_size = positive_int("LoRA: in_size", in_size)
+        rank = positive_int("LoRA: rank", rank)
+        out_size = positive_int("LoRA: out_size", out_size)
         if b_init is None:
             b_init = brainstate.nn.init.KaimingNormal()
         self.alpha = 1.0 / rank if alpha is None else float(alpha)
@@ -280,6 +286,8 @@ class Embedding(brainstate.nn.Module):
         name: str | None = None,
     ) -> None:
         super().__init__(name=name)
+        num_embeddings = positive_int("Embedding: num_embeddings", num_embeddings)
+        embedding_dim = positive_int("Embedding: embedding_dim", embedding_dim)
         if w_init is None:
             w_init = brainstate.nn.init.Normal()
         self.weight = brainstate.ParamState(init_param(w_init, (num_embeddings, embedding_dim)))
