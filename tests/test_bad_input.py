@@ -565,6 +565,11 @@ def test_differentiating_through_an_online_gradient_is_refused() -> None:
         meta(xs, rule, window)  # the value itself is fine
         with pytest.raises(TypeError, match="bptt_grad"):
             jax.grad(meta)(xs, rule, window)
+        # forward mode too, with etrax's message (not JAX's about custom_vjp functions)
+        with pytest.raises(TypeError, match=r"bptt_grad.*forward mode"):
+            jax.jvp(lambda v, r=rule, w=window: meta(v, r, w), (xs,), (xs,))
+        with pytest.raises(TypeError, match=r"bptt_grad.*forward mode"):
+            jax.jacfwd(meta)(xs, rule, window)
 
     def meta_bptt(v: Any) -> Any:
         g = etrax.bptt_grad(graph, state, v, ts, mse).grads

@@ -66,6 +66,16 @@ def is_tracer(value: object) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
+def forward_mode(tree: Any) -> bool:
+    """Whether a leaf of `tree` is traced by forward-mode differentiation (`jax.jvp`,
+    `jax.jacfwd`) outside a `jax.jit`; reverse mode (`jax.grad`, `jax.vjp`) traces with
+    another tracer. False where this JAX has no such tracer type."""
+    jvp_tracer = getattr(getattr(jax.interpreters, "ad", None), "JVPTracer", None)
+    if not isinstance(jvp_tracer, type):
+        return False
+    return any(isinstance(leaf, jvp_tracer) for leaf in jax.tree.leaves(tree))
+
+
 def shaped_array(shape: Sequence[int], dtype: Any, weak_type: bool = False) -> Any:
     """A `ShapedArray` abstract value."""
     return jax.core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)

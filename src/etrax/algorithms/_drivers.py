@@ -30,6 +30,7 @@ from .._compat import (
     aval_of,
     bind_equation,
     equation_location,
+    forward_mode,
     not_differentiable,
     shape_struct,
     struct_of,
@@ -1276,6 +1277,8 @@ def online_grad(
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be True or False, got {has_aux!r}")
     T = _check_sequences(graph, xs, targets, loss_fn)
+    if forward_mode((state, xs, targets)):  # under jax.jit, JAX's own message instead
+        raise TypeError(f"{_ONLINE_NOT_DIFFERENTIABLE} (Here: forward mode, jax.jvp / jacfwd.)")
     w: object = window
     if isinstance(w, np.integer) or (  # a NumPy or concrete 0-d JAX integer is an int
         isinstance(w, np.ndarray | jax.Array)
