@@ -2,6 +2,8 @@
 also mark a program read back from the persistent compilation cache that `conftest.py`
 shares between the workers: each is a miss of JAX's in-memory caches)."""
 
+import threading
+
 import jax
 
 __all__ = ["CompileCount"]
@@ -14,10 +16,19 @@ class CompileCount:
 
     def __init__(self) -> None:
         self.count = 0
+        self.names: list[str] = []  # the compiled functions' names, for failure messages
+        self.elsewhere: list[str] = []  # compiled by other threads: not counted
+        self._thread = threading.get_ident()
 
     def _listen(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
-        if event == self.EVENT:
-            self.count += 1
+        if event != self.EVENT:
+            return
+        name = str(kwargs.get("fun_name", "?"))
+        if threading.get_ident() != self._thread:
+            self.elsewhere.append(name)
+            return
+        self.count += 1
+        self.names.append(name)
 
     def __enter__(self) -> "CompileCount":
         jax.monitoring.register_event_duration_secs_listener(self._listen)

@@ -24,6 +24,7 @@ import etrax
 
 from .compiles import CompileCount
 from .models import LeakyLinear, build
+from .typechecks import unchecked
 
 
 @contextlib.contextmanager
@@ -31,7 +32,10 @@ def no_xla_compilation() -> Iterator[None]:
     """Fail if XLA compiles anything inside the block."""
     with CompileCount() as counted:
         yield
-    assert not counted.count, f"{counted.count} XLA compilation(s) before the error"
+    assert not counted.count, (
+        f"{counted.count} XLA compilation(s) before the error: {counted.names} (other "
+        f"threads: {counted.elsewhere})"
+    )
 
 
 def snapshot(model: brainstate.nn.Module) -> dict[Any, list[Any]]:
@@ -168,8 +172,9 @@ def test_integer_param_state_is_refused(kind: str, where: str) -> None:
     model = IntTable(kind)
     brainstate.nn.init_all_states(model)
     before = snapshot(model)
+    x = jnp.ones(3)  # made outside the block: its own (eager) program is not etrax's
     with no_xla_compilation(), pytest.raises(etrax.WeightNotFloatError, match=where) as info:
-        etrax.compile_etrace_graph(model, jnp.ones(3))
+        etrax.compile_etrace_graph(model, x)
     message = str(info.value)
     assert "int64" in message and "brainstate.State" in message and "constant" in message
     assert isinstance(info.value, etrax.NotSupportedError)
@@ -522,6 +527,7 @@ def test_a_batch_size_the_example_inputs_do_not_have_is_named() -> None:
         assert f"batch_size={batch_size}" in message
         assert f"lead with [{x0.shape[0]}]" in message
         assert ".." not in message
+
     # an input that does lead with batch_size keeps the tracing error as it was
     class TwoInputs(brainstate.nn.Module):
         def __init__(self) -> None:
@@ -536,6 +542,31 @@ def test_a_batch_size_the_example_inputs_do_not_have_is_named() -> None:
             TwoInputs(), etrax.DRTRL(), jnp.zeros((2, 3)), jnp.zeros((2, 5)), batch_size=2
         )
     assert "batch_size=2" not in str(info.value)
+
+
+def test_a_preset_passed_uncalled_is_told_to_be_called() -> None:
+    """`etrax.DRTRL` where `etrax.DRTRL()` belongs (`etrax.compile` takes either): the
+    functional entry points say to call it. (The suite's runtime type checks would
+    refuse it first; a user without them reaches etrax's own check.)"""
+    model, x = build(etrax.nn.GRUCell, 3, 4)
+    graph = etrax.compile_etrace_graph(model, x)
+    state = etrax.state_of(graph)
+    xs, ts = jnp.ones((4, 3)), jnp.zeros((4, 4))
+
+    def mse(y: Any, t: Any) -> Any:
+        return jnp.sum((y - t) ** 2)
+
+    rule = etrax.DRTRL()
+    tr = rule.init(graph, state)
+    calls: list[Callable[[], object]] = [
+        lambda: etrax.online_grad(graph, etrax.DRTRL, state, tr, xs, ts, mse),  # type: ignore[arg-type]
+        lambda: etrax.online_evolve(graph, etrax.PPProp, state, tr, xs),  # type: ignore[arg-type]
+        lambda: etrax.check_gradients(graph, etrax.EProp, state, xs, ts, mse),  # type: ignore[arg-type]
+    ]
+    with unchecked():
+        for call, name in zip(calls, ("DRTRL", "PPProp", "EProp"), strict=True):
+            with pytest.raises(TypeError, match=rf"call it: etrax\.{name}\(\)"):
+                call()
 
 
 def test_differentiating_through_an_online_gradient_is_refused() -> None:
@@ -744,7 +775,9 @@ def test_an_op_argument_error_while_compiling_is_the_ops_own() -> None:
     assert "fix that call in update()" in str(info.value)
     assert isinstance(info.value.__cause__, etrax.OpArgumentError)
     gain_p = etrax.register_primitive(
-        "probe_gain_no_x", lambda w: 2.0 * w, x_index=None  # trainable: {'weight': 1}
+        "probe_gain_no_x",
+        lambda w: 2.0 * w,
+        x_index=None,  # trainable: {'weight': 1}
     )
     with pytest.raises(etrax.OpArgumentError, match=r"1 operand\(s\).*'weight': 1"):
         etrax.ops.bind(gain_p, jnp.ones(3))

@@ -19,20 +19,19 @@ than running the tiny models op by op (which compiles each new primitive shape),
 most of it before the first programs are warm: 8 s instead of 18 s for the first
 eight. The suite's runtime type checks (jaxtyping + beartype over the whole
 package) run while a program is traced; they are paused while a model is checked
-(`_unchecked`), which takes about 40 % off this file. Every other test keeps them at full strength.
+(`typechecks.unchecked`), which takes about 40 % off this file. Other tests keep them
+at full strength, but for the few that reach etrax's own argument checks.
 """
 
-import contextlib
 import enum
 import functools
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 from jaxtyping import Array
@@ -42,6 +41,7 @@ from etrax._typing import Path
 
 from .generated_models import FAMILIES, GeneratedCase, generate
 from .oracles import BrainstateStep
+from .typechecks import unchecked
 
 NUM_SEEDS = 200
 CHUNK = 20
@@ -230,22 +230,11 @@ def generated(seed: int) -> GeneratedCase:
     return generate(seed)
 
 
-@contextlib.contextmanager
-def _unchecked() -> Iterator[None]:
-    """Runtime type checks paused (see the module docstring), restored after."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
-
-
 @functools.cache
 def outcome(seed: int) -> Outcome:
     """The checked outcome of `seed`."""
     case = generated(seed)
-    with _unchecked():
+    with unchecked():  # see the module docstring
         try:
             return _run(case)
         except Exception as err:  # the oracle or the setup: still name the seed

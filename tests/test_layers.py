@@ -1,14 +1,11 @@
 """The layer zoo: structure of each layer's graph, its Jacobians against the
 `jax.jacrev` oracle, and exactness of D-RTRL where the recurrence is diagonal."""
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import brainstate
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 from jaxtyping import Array, ArrayLike
@@ -18,6 +15,7 @@ from etrax import DiagnosticKind as K
 
 from .models import ModelCase, build
 from .oracles import OracleJacobians, random_state_values
+from .typechecks import unchecked
 
 TOL = 1e-10
 
@@ -249,18 +247,6 @@ def test_neuron_size_validation() -> None:
         etrax.nn.LIF(2.5)  # type: ignore[arg-type]
 
 
-@contextlib.contextmanager
-def _no_runtime_type_checks() -> Iterator[None]:
-    """The suite's jaxtyping + beartype checks paused: a user without them reaches the
-    layers' own checks, which this exercises."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
-
-
 @pytest.mark.parametrize(
     ("make", "error", "pattern"),
     [
@@ -293,7 +279,7 @@ def test_layer_sizes_are_checked_by_the_layer(make: Any, error: type, pattern: s
         make(0)
     with pytest.raises(ValueError, match="positive int"):
         make(-2)
-    with _no_runtime_type_checks():
+    with unchecked():  # a user without the suite's runtime type checks
         with pytest.raises(TypeError, match=r"must be a positive int, got (float 2\.5|str 'a')"):
             make(2.5)
         with pytest.raises(TypeError, match="must be a positive int, got bool"):

@@ -115,6 +115,20 @@ def _untraceable_hint(graph: ETraceGraph) -> str:
     )
 
 
+def check_algorithm(algo: object) -> None:
+    """Raise a `TypeError` unless `algo` is an `OnlineAlgorithm`; a preset given
+    uncalled (``etrax.DRTRL``) is told to be called."""
+    if isinstance(algo, OnlineAlgorithm):
+        return
+    name = getattr(algo, "__name__", None)
+    hint = (
+        f" (a preset? call it: etrax.{name}(), or etrax.{name}(...) with its settings)"
+        if callable(algo) and isinstance(name, str)
+        else ""
+    )
+    raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}{hint}")
+
+
 def check_relations(graph: ETraceGraph, name: str) -> None:
     if not graph.hidden_param_op_relations:
         hint = loop_hint(graph) + _untraceable_hint(graph)

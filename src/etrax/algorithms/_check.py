@@ -21,7 +21,7 @@ from .._errors import StepInputError
 from .._typing import Path, PyTree
 from ..compiler import ETraceGraph, WeightRule
 from ..executor import ModelState
-from ._base import OnlineAlgorithm, as_int
+from ._base import OnlineAlgorithm, as_int, check_algorithm
 from ._drivers import bptt_grad, online_grad
 
 __all__ = ["GradientCheck", "ParamCheck", "check_gradients", "compare_gradients", "t1_tolerance"]
@@ -393,8 +393,7 @@ def check_gradients(
     """
     if not isinstance(graph, ETraceGraph):
         raise TypeError(f"graph must be an etrax ETraceGraph, got {type(graph).__name__}")
-    if not isinstance(algo, OnlineAlgorithm):
-        raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
+    check_algorithm(algo)
     if algo.needs_modulator:
         raise ValueError(
             f"check_gradients compares with BPTT of the loss, but {algo.name} learns from a "

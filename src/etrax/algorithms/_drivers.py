@@ -67,6 +67,7 @@ from ._base import (
     Weights,
     add_eff,
     add_into,
+    check_algorithm,
     loop_hint,
     zeros_eff,
 )
@@ -1262,8 +1263,7 @@ def online_grad(
     require_graph(graph, "online_grad")
     loss_fn = keyed(loss_fn)
     xs = _cast_sequence(graph, xs)
-    if not isinstance(algo, OnlineAlgorithm):
-        raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
+    check_algorithm(algo)
     if not graph.hidden_param_op_relations:
         raise CompilationError(
             "online_grad needs a graph with at least one relation (a weight traced into a hidden "
@@ -1483,8 +1483,7 @@ def online_evolve(
     **Returns:** ``(state, traces, outputs)`` with `outputs` `None` unless asked for.
     """
     require_graph(graph, "online_evolve")
-    if not isinstance(algo, OnlineAlgorithm):
-        raise TypeError(f"algo must be an etrax OnlineAlgorithm, got {type(algo).__name__}")
+    check_algorithm(algo)
     xs = _cast_sequence(graph, xs)
     state = fast_check_state(graph, state)
     leaves = jax.tree.leaves(xs)
