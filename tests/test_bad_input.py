@@ -743,6 +743,24 @@ def test_op_arguments_that_do_not_fit_name_the_op() -> None:
     for call, message in cases:
         with pytest.raises(etrax.OpArgumentError, match=re.escape(message)):
             call()
+    # operands that are not arrays (a Linear's parameter dict, a string), which mypy and
+    # the suite's runtime type checks refuse first: each op's own check, for untyped code
+    params: Any = {"weight": jnp.ones((3, 4)), "bias": jnp.zeros(4)}
+    text: Any = "x"
+    not_arrays: list[tuple[Callable[[], object], str]] = [
+        (lambda: etrax.matmul(jnp.ones(3), params), "matmul: weight must be an array, got a dict"),
+        (lambda: etrax.matmul(text, jnp.ones((3, 4))), "matmul: x must be an array"),
+        (lambda: etrax.element_wise(params), "element_wise: weight must be an array"),
+        (
+            lambda: etrax.conv(jnp.ones((1, 5, 2)), {"k": params}),  # type: ignore[arg-type]
+            "conv: kernel must be an array",
+        ),
+        (lambda: etrax.embedding(jnp.arange(2), text), "embedding: table must be an array"),
+    ]
+    with unchecked():
+        for call, message in not_arrays:
+            with pytest.raises(etrax.OpArgumentError, match=re.escape(message)):
+                call()
     etrax.einsum("i,io->o", jnp.ones(3), jnp.ones((3, 4)))  # the fitting ones run
     etrax.matmul(jnp.ones(3), jnp.ones((3, 4)), weight_fn=jnp.abs)
     etrax.conv(jnp.ones((1, 5, 2)), jnp.ones((3, 2, 4)), padding=((1, 1),), lhs_dilation=2)

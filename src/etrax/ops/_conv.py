@@ -26,6 +26,7 @@ from ._util import (
     chain_transform,
     check_transform,
     dense_scale,
+    operand,
     outer_instant,
 )
 
@@ -253,8 +254,8 @@ def conv(
     default channel-last layouts; `bias` is ``(out,)``. Other `dimension_numbers`
     work for the forward pass; online traces need the output's channel axis last.
     """
-    x = jnp.asarray(x)
-    kernel = jnp.asarray(kernel)
+    x = operand("conv", "x", x)
+    kernel = operand("conv", "kernel", kernel)
     check_transform("conv: kernel_fn", kernel_fn, kernel)
     check_transform("conv: bias_fn", bias_fn, None if bias is None else jnp.asarray(bias))
     n = kernel.ndim - 2
@@ -315,7 +316,7 @@ def conv(
         )
     operands = [x, kernel]
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = operand("conv", "bias", bias)
         out_ch = kernel.shape[jax.lax.conv_dimension_numbers(x.shape, kernel.shape, dn).rhs_spec[0]]
         if bias.shape != (out_ch,):
             raise OpArgumentError(f"conv: bias must be ({out_ch},), got {bias.shape}")

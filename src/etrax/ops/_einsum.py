@@ -21,7 +21,7 @@ from .._compat import bind
 from .._errors import OpArgumentError
 from .._typing import Params, Shape
 from ._primitive import ETPRules, register_primitive
-from ._util import chain_transform, check_transform
+from ._util import chain_transform, check_transform, operand
 
 __all__ = ["EinsumSpec", "einsum", "einsum_p", "parse_einsum"]
 
@@ -172,8 +172,8 @@ def einsum(equation: str, x: ArrayLike, weight: ArrayLike, *, weight_fn: Transfo
         ```
     """
     spec = parse_einsum(equation)
-    x = jnp.asarray(x)
-    weight = jnp.asarray(weight)
+    x = operand("einsum", "x", x)
+    weight = operand("einsum", "weight", weight)
     check_transform("einsum: weight_fn", weight_fn, weight)
     if x.ndim != len(spec.x) or weight.ndim != len(spec.w):
         raise OpArgumentError(

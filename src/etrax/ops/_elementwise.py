@@ -9,7 +9,7 @@ from jaxtyping import Array, ArrayLike
 from .._compat import bind
 from .._typing import Params, Shape
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import chain_transform, check_transform, sum_leading
+from ._util import chain_transform, check_transform, operand, sum_leading
 
 __all__ = ["element_wise", "element_wise_p"]
 
@@ -92,6 +92,6 @@ def element_wise(weight: ArrayLike, *, weight_fn: Transform = None) -> Array:
     `weight_fn` must be element-wise and shape-preserving (default: identity). The
     op has no data input, so it never cuts a path between other operations.
     """
-    w = jnp.asarray(weight)
+    w = operand("element_wise", "weight", weight)
     check_transform("element_wise: weight_fn", weight_fn, w)
     return bind(element_wise_p, w, weight_fn=weight_fn)

@@ -12,7 +12,7 @@ from .._errors import OpArgumentError
 from .._typing import Params, Shape
 from ._common import x_batch_rule
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import chain_transform, check_transform
+from ._util import chain_transform, check_transform, operand
 
 __all__ = ["embedding", "embedding_p"]
 
@@ -112,8 +112,8 @@ def embedding(indices: ArrayLike, table: ArrayLike, *, weight_fn: Transform = No
     range is clamped to the first or last row (the row that is read is the row that
     learns).
     """
-    idx = jnp.asarray(indices)
-    table = jnp.asarray(table)
+    idx = operand("embedding", "indices", indices)
+    table = operand("embedding", "table", table)
     check_transform("embedding: weight_fn", weight_fn, table)
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise OpArgumentError(

@@ -14,6 +14,7 @@ from ._util import (
     bias_trainable,
     chain_weight_bias,
     check_transform,
+    operand,
     sum_leading,
     weight_bias_trace_shapes,
 )
@@ -91,8 +92,8 @@ def grouped_matmul(
     `x` is ``(G, K)`` or ``(batch, G, K)``; `weight` is ``(G, K, N)``; `bias` ``(G, N)``.
     Traces are ``G`` times smaller than those of the equivalent dense block matrix.
     """
-    x = jnp.asarray(x)
-    weight = jnp.asarray(weight)
+    x = operand("grouped_matmul", "x", x)
+    weight = operand("grouped_matmul", "weight", weight)
     check_transform("grouped_matmul: weight_fn", weight_fn, weight)
     check_transform(
         "grouped_matmul: bias_fn", bias_fn, None if bias is None else jnp.asarray(bias)
@@ -108,7 +109,7 @@ def grouped_matmul(
         )
     operands = [x, weight]
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = operand("grouped_matmul", "bias", bias)
         if bias.shape != (weight.shape[0], weight.shape[2]):
             raise OpArgumentError(
                 f"grouped_matmul: bias must be {(weight.shape[0], weight.shape[2])}, "

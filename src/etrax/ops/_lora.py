@@ -16,7 +16,14 @@ from .._errors import OpArgumentError
 from .._typing import Params, Shape
 from ._common import x_batch_rule
 from ._primitive import ETPRules, Factorization, register_primitive
-from ._util import chain_transform, check_transform, dense_scale, outer_instant, sum_leading
+from ._util import (
+    chain_transform,
+    check_transform,
+    dense_scale,
+    operand,
+    outer_instant,
+    sum_leading,
+)
 
 __all__ = ["lora_matmul", "lora_matmul_p"]
 
@@ -151,9 +158,9 @@ def lora_matmul(
     `x` is ``(in,)`` or ``(batch, in)``; `lora_b` is ``(in, rank)``; `lora_a` is
     ``(rank, out)``; `bias` is ``(out,)``.
     """
-    x = jnp.asarray(x)
-    b = jnp.asarray(lora_b)
-    a = jnp.asarray(lora_a)
+    x = operand("lora_matmul", "x", x)
+    b = operand("lora_matmul", "lora_b", lora_b)
+    a = operand("lora_matmul", "lora_a", lora_a)
     given = None if bias is None else jnp.asarray(bias)
     for name, f, v in (("b_fn", b_fn, b), ("a_fn", a_fn, a), ("bias_fn", bias_fn, given)):
         check_transform(f"lora_matmul: {name}", f, v)
@@ -173,7 +180,7 @@ def lora_matmul(
         )
     operands = [x, b, a]
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = operand("lora_matmul", "bias", bias)
         if bias.shape != (a.shape[1],):
             raise OpArgumentError(f"lora_matmul: bias must be ({a.shape[1]},), got {bias.shape}")
         operands.append(bias)

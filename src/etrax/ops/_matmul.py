@@ -15,6 +15,7 @@ from ._util import (
     chain_weight_bias,
     check_transform,
     dense_scale,
+    operand,
     outer_instant,
     sum_leading,
     weight_bias_trace_shapes,
@@ -125,8 +126,8 @@ def matmul(
 
     **Returns:** ``(out,)`` or ``(batch, out)``.
     """
-    x = jnp.asarray(x)
-    weight = jnp.asarray(weight)
+    x = operand("matmul", "x", x)
+    weight = operand("matmul", "weight", weight)
     check_transform("matmul: weight_fn", weight_fn, weight)
     check_transform("matmul: bias_fn", bias_fn, bias)
     if x.ndim not in (1, 2):
@@ -143,7 +144,7 @@ def matmul(
         )
     operands = [x, weight]
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = operand("matmul", "bias", bias)
         if bias.shape != (weight.shape[1],):
             raise OpArgumentError(
                 f"matmul: bias must have shape ({weight.shape[1]},), got {bias.shape}."

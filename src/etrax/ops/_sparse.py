@@ -29,6 +29,7 @@ from ._util import (
     bias_trainable,
     chain_weight_bias,
     check_transform,
+    operand,
     sum_leading,
     weight_bias_trace_shapes,
 )
@@ -205,8 +206,8 @@ def sparse_matmul(
             "sparse_matmul: pattern must be an etrax.ops.SparsePattern, got "
             f"{type(pattern).__name__}"
         )
-    x = jnp.asarray(x)
-    data = jnp.asarray(data)
+    x = operand("sparse_matmul", "x", x)
+    data = operand("sparse_matmul", "data", data)
     check_transform("sparse_matmul: weight_fn", weight_fn, data)
     check_transform("sparse_matmul: bias_fn", bias_fn, None if bias is None else jnp.asarray(bias))
     if data.shape != (pattern.nnz,):
@@ -220,7 +221,7 @@ def sparse_matmul(
         )
     operands = [x, data]
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = operand("sparse_matmul", "bias", bias)
         if bias.shape != (pattern.shape[1],):
             raise OpArgumentError(
                 f"sparse_matmul: bias must be ({pattern.shape[1]},), got {bias.shape}"

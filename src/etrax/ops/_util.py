@@ -42,6 +42,24 @@ def sum_leading(value: Array, keep: int) -> Array:
     return jnp.sum(value, axis=tuple(range(extra)))
 
 
+def operand(op: str, name: str, value: object) -> Array:
+    """`value` as a JAX array; anything that is not array-like (a dict, a list of arrays
+    of different shapes, a string) is an `OpArgumentError` naming the op and argument."""
+    if isinstance(value, Mapping):
+        raise OpArgumentError(
+            f"{op}: {name} must be an array, got a dict with keys {list(value)}; pass the "
+            "array itself (an etrax.nn.Linear's ParamState holds {'weight': W, 'bias': b}: "
+            "pass value['weight'] and value['bias'])."
+        )
+    try:
+        return jnp.asarray(value)
+    except (TypeError, ValueError) as err:
+        raise OpArgumentError(
+            f"{op}: {name} must be an array (a JAX or NumPy array, or a number), got "
+            f"{type(value).__name__}: {err}"
+        ) from None
+
+
 def check_transform(name: str, fn: object, value: Any = None) -> None:
     """Validate a ``weight_fn``/``bias_fn`` argument; with the `value` it transforms,
     also that it keeps the value's shape (the ops apply it element-wise)."""
