@@ -184,16 +184,18 @@ def _describe(value: Any) -> str:
 def _check_leaves(
     where: str, value: PyTree, treedef: Any, shapes: Sequence[Any], dtypes: Sequence[Any]
 ) -> None:
-    keyed, got_def = jax.tree_util.tree_flatten_with_path(value)
+    leaves, got_def = jax.tree.flatten(value)
     if got_def != treedef:
         raise StepInputError(
             f"{where} has structure {got_def}, expected {treedef}. Pass values with the "
             "structure the graph was compiled with."
         )
-    for (key, leaf), shape, dtype in zip(keyed, shapes, dtypes, strict=True):
+    for k, (leaf, shape, dtype) in enumerate(zip(leaves, shapes, dtypes, strict=True)):
         leaf_shape, leaf_dtype = shape_dtype(leaf)
         if leaf_shape != tuple(shape) or not same_dtype(leaf_dtype, dtype):
-            at = where if len(keyed) == 1 else f"{where}{jax.tree_util.keystr(key)}"
+            # the leaf's path inside the value, found only now (this runs at every call)
+            key = jax.tree_util.tree_flatten_with_path(value)[0][k][0]
+            at = where if len(leaves) == 1 else f"{where}{jax.tree_util.keystr(key)}"
             fix = (
                 "recompile for other shapes (e.g. another batch size)"
                 if leaf_shape != tuple(shape)
