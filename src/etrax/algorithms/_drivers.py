@@ -67,6 +67,7 @@ from ._base import (
     Weights,
     add_eff,
     add_into,
+    as_int,
     check_algorithm,
     loop_hint,
     zeros_eff,
@@ -1279,14 +1280,7 @@ def online_grad(
     T = _check_sequences(graph, xs, targets, loss_fn)
     if forward_mode((state, xs, targets)):  # under jax.jit, JAX's own message instead
         raise TypeError(f"{_ONLINE_NOT_DIFFERENTIABLE} (Here: forward mode, jax.jvp / jacfwd.)")
-    w: object = window
-    if isinstance(w, np.integer) or (  # a NumPy or concrete 0-d JAX integer is an int
-        isinstance(w, np.ndarray | jax.Array)
-        and not isinstance(w, jax.core.Tracer)
-        and w.shape == ()
-        and jnp.issubdtype(w.dtype, jnp.integer)
-    ):
-        w = int(w)
+    w: object = as_int(window)  # a NumPy or concrete 0-d integer is an int
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= T):
         raise ValueError(f"window must be an int in [1, T={T}], got {window!r}")
     win: int | None = w

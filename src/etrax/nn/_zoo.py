@@ -13,10 +13,10 @@ __all__ = ["Conv1d", "Conv2d", "Conv3d", "Embedding", "GroupedLinear", "LoRA", "
 
 
 def _int_tuple(value: int | tuple[int, ...], n: int, name: str) -> tuple[int, ...]:
-    out = (value,) * n if isinstance(value, int) else tuple(int(v) for v in value)
-    if len(out) != n or any(v < 1 for v in out):
+    values = tuple(value) if isinstance(value, tuple | list) else (value,) * n
+    if len(values) != n:
         raise ValueError(f"{name} must be a positive int or {n} positive ints, got {value!r}")
-    return out
+    return tuple(positive_int(name, v) for v in values)  # 2.5 is refused, not truncated
 
 
 class _ConvNd(brainstate.nn.Module):
