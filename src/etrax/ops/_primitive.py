@@ -25,7 +25,7 @@ from .._compat import Primitive, define_primitive, shape_struct
 from .._compat import bind as _bind
 from .._errors import OpArgumentError
 from .._typing import Params, Shape
-from ._util import sum_leading
+from ._util import operand, sum_leading
 
 __all__ = [
     "ETPOpSpec",
@@ -340,7 +340,8 @@ def bind(primitive: Primitive, *operands: Any, **params: Any) -> Array:
     """Apply a (single-output) ETP primitive to its operands: a typed
     ``primitive.bind(*operands, **params)``.
 
-    Use it inside a layer's ``update``; operands are converted with `jnp.asarray`.
+    Use it inside a layer's ``update``; operands are converted with `jnp.asarray` (one
+    that is not array-like is an `OpArgumentError`).
     """
     spec = etp_spec(primitive)
     if spec is None:
@@ -360,7 +361,8 @@ def bind(primitive: Primitive, *operands: Any, **params: Any) -> Array:
             "all the operands); pass those operands, or fix trainable= / x_index= in "
             "etrax.register_primitive."
         )
-    return _bind(primitive, *(jnp.asarray(op) for op in operands), **params)
+    arrays = (operand(primitive.name, f"operand {i}", op) for i, op in enumerate(operands))
+    return _bind(primitive, *arrays, **params)
 
 
 def register_rules(primitive: Primitive, rules: ETPRules) -> None:
