@@ -27,7 +27,7 @@ from .._errors import CompilationError
 from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
-from ._base import as_int
+from ._base import as_int, concrete_number
 from ._snap import gather_transition, neighbourhood
 
 
@@ -71,13 +71,7 @@ __all__ = [
 def _unit_interval(owner: str, name: str, value: object, *, closed_low: bool = True) -> float:
     """`value` as a float in ``[0, 1)`` (or ``(0, 1)``), else a `ValueError` naming it
     (a concrete 0-d array is its number; anything but a real number is a `TypeError`)."""
-    if (
-        isinstance(value, np.ndarray | jax.Array)
-        and not isinstance(value, jax.core.Tracer)
-        and value.shape == ()
-        and jnp.issubdtype(value.dtype, jnp.number)
-    ):
-        value = value.item()
+    value = concrete_number(value)
     if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
         raise TypeError(f"{owner}: {name} must be a float in [0, 1), got {value!r}")
     v = float(value)

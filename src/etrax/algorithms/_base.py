@@ -36,6 +36,19 @@ Weights = Sequence[Mapping[str, Array]]
 """Each relation's trainable operand values (`operand_values(graph, params)`)."""
 
 
+def concrete_number(value: object) -> object:
+    """A concrete 0-d NumPy or JAX array of numbers as its Python number (a setting given
+    as an array); anything else, a traced value included, unchanged."""
+    if (
+        isinstance(value, np.ndarray | jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.shape == ()
+        and jnp.issubdtype(value.dtype, jnp.number)
+    ):
+        return value.item()
+    return value
+
+
 def as_int(value: object) -> object:
     """`value` as a Python int when it is an integer setting given another way (a NumPy
     integer, a concrete 0-d integer array); anything else unchanged (for the caller's
@@ -44,14 +57,8 @@ def as_int(value: object) -> object:
         return value
     if isinstance(value, np.integer):
         return int(value)
-    if (
-        isinstance(value, np.ndarray | jax.Array)
-        and not isinstance(value, jax.core.Tracer)
-        and value.shape == ()
-        and jnp.issubdtype(value.dtype, jnp.integer)
-    ):
-        return int(value)
-    return value
+    number = concrete_number(value)
+    return number if isinstance(number, int) and not isinstance(number, bool) else value
 
 
 def check_chunk_steps(name: str, steps: object) -> None:

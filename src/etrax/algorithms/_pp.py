@@ -16,7 +16,7 @@ from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, NoFilter
-from ._base import EffGrads, Weights, add_into, scan_chunk
+from ._base import EffGrads, Weights, add_into, concrete_number, scan_chunk
 from ._kernels import map_extra, short_sum
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
@@ -49,9 +49,7 @@ def _scalar(value: object) -> object:
             "traced values: they are static (one compiled program per value). Build the "
             "rule outside jax.jit / jax.vmap, e.g. one rule per decay in a Python loop."
         )
-    if isinstance(value, np.ndarray | jax.Array) and value.shape == ():
-        return value.item()
-    return value
+    return concrete_number(value)
 
 
 def decay_from(decay: ScalarLike) -> float:
