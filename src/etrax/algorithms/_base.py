@@ -14,6 +14,7 @@ from .._errors import CompilationError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
 from ..compiler import DiagnosticKind, ETraceGraph
+from ..compiler._report import untraceable_hidden_paths
 from ..executor import ModelState, StepJacobians
 from ._plan import plan_of
 from ._weights import operand_values, operands_to_params
@@ -111,9 +112,7 @@ def loop_hint(graph: ETraceGraph) -> str:
 def _untraceable_hint(graph: ETraceGraph) -> str:
     """Advice for a graph whose hidden states could not be traced (not floating point,
     or a pytree); empty otherwise."""
-    paths = [
-        p for r in graph.explain(kind=DiagnosticKind.HIDDEN_STATE_NOT_FLOAT) for p in r.hidden_paths
-    ]
+    paths = list(untraceable_hidden_paths(graph))
     if not paths:
         return ""
     return (

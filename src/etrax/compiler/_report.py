@@ -6,9 +6,18 @@ from .._typing import Path
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel
 from ._graph import ETraceGraph, WeightRule
 
-__all__ = ["CompilationReport"]
+__all__ = ["CompilationReport", "untraceable_hidden_paths"]
 
 _RULE = "=" * 100
+
+
+def untraceable_hidden_paths(graph: ETraceGraph) -> tuple[Path, ...]:
+    """The HiddenStates of `graph` that could not be traced (not one floating-point
+    array: the `hidden_state_not_float` records), in the records' order."""
+    found = (
+        p for r in graph.explain(kind=DiagnosticKind.HIDDEN_STATE_NOT_FLOAT) for p in r.hidden_paths
+    )
+    return tuple(dict.fromkeys(found))
 
 
 class CompilationReport:
@@ -79,11 +88,7 @@ class CompilationReport:
         }
         if self.dynamic_states:
             lines.append("States carried across steps but not traced:")
-            untraceable = {
-                p
-                for r in g.explain(kind=DiagnosticKind.HIDDEN_STATE_NOT_FLOAT)
-                for p in r.hidden_paths
-            }
+            untraceable = set(untraceable_hidden_paths(g))
             for i, p in enumerate(self.dynamic_states):
                 note = (
                     f"  [carries the influence of {list(carried[p])} to the next step: "
