@@ -352,8 +352,11 @@ class Program:
     chunk: int = 0
 
 
-def _aot(fn: Callable[..., Any], *args: Any) -> Program:
-    compiled = jax.jit(fn).lower(*args).compile()
+def _aot(
+    fn: Callable[..., Any], *args: Any, compiler_options: etrax.CompilerOptions | None = None
+) -> Program:
+    options = None if compiler_options is None else dict(compiler_options)
+    compiled = jax.jit(fn, compiler_options=options).lower(*args).compile()
     mem = compiled.memory_analysis()
     scratch = math.nan if mem is None else mem.temp_size_in_bytes / 2**20
     return Program(functools.partial(compiled, *args), scratch)
@@ -454,10 +457,15 @@ def fix_reset_gates(model: brainstate.nn.Module) -> brainstate.nn.Module:
 
 
 def build_program(
-    lib: Lib, method: str, cfg: Config, data: Data, chunk_steps: int | None = None
+    lib: Lib,
+    method: str,
+    cfg: Config,
+    data: Data,
+    chunk_steps: int | None = None,
+    compiler_options: etrax.CompilerOptions | None = None,
 ) -> Program:
     """The compiled program of one (library, method) on fresh weights (etrax's online
-    rules with `chunk_steps`)."""
+    rules with `chunk_steps` and XLA's `compiler_options`)."""
     if method in ("forward", "BPTT"):
         step = PureStep(_initialised(lib, cfg), data.x0)
         if method == "forward":
@@ -478,7 +486,9 @@ def build_program(
             return grads, aux["state"].hidden, aux["state"].other, aux["traces"]
 
         traces = algo.init(graph, state)
-        program = _aot(online, state, traces, data.xs, data.targets)
+        program = _aot(
+            online, state, traces, data.xs, data.targets, compiler_options=compiler_options
+        )
         program.trace_bytes = sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(traces))
         T = int(data.xs.shape[0])
         program.chunk = min(T, chunk_length(T, algo.chunk_for(graph)))
@@ -546,14 +556,26 @@ def _path_name(path: Sequence[Any]) -> str:
 
 
 def online_call(
-    lib: Lib, method: str, cfg: Config, model: brainstate.nn.Module, data: Data
+    lib: Lib,
+    method: str,
+    cfg: Config,
+    model: brainstate.nn.Module,
+    data: Data,
+    compiler_options: etrax.CompilerOptions | None = None,
 ) -> Callable[[Array], Any]:
     """``xs ↦ gradients`` of an online `method` through `lib`'s user path, built from
     `model` (etrax: `etrax.compile` and `learner.etrace_grad`, which also reads the
     model's states, writes the new hidden values back and checks for a silent network;
-    braintrace: `braintrace.compile` and its jitted `etrace_grad`)."""
+    braintrace: `braintrace.compile` and its jitted `etrace_grad`); etrax's learner
+    with XLA's `compiler_options`."""
     if lib == "etrax":
-        learner = etrax.compile(model, etrax_rule(method), data.x0, batch_size=cfg.batch_size)
+        learner = etrax.compile(
+            model,
+            etrax_rule(method),
+            data.x0,
+            batch_size=cfg.batch_size,
+            compiler_options=compiler_options,
+        )
 
         def call(xs: Array) -> Any:
             return learner.etrace_grad(xs, data.targets, mse)
@@ -569,10 +591,17 @@ def online_call(
     return bt_call
 
 
-def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
+def first_call(
+    lib: Lib,
+    method: str,
+    cfg: Config,
+    data: Data,
+    compiler_options: etrax.CompilerOptions | None = None,
+) -> FirstCall:
     """Each library's user path from a model with weights but no states yet, from
     cleared JAX caches: no build reuses a trace or an XLA program of an earlier one
-    (an earlier build of the same model made a second one up to 30 % faster)."""
+    (an earlier build of the same model made a second one up to 30 % faster); etrax's
+    online rules with XLA's `compiler_options`."""
     jax.clear_caches()  # type: ignore[no-untyped-call]  # unannotated in JAX
     model = make_model(lib, cfg)
     call: Callable[[Array], Any]
@@ -590,7 +619,7 @@ def first_call(lib: Lib, method: str, cfg: Config, data: Data) -> FirstCall:
                 return bptt(step.values, xs, data.targets)
 
     else:
-        call = online_call(lib, method, cfg, model, data)
+        call = online_call(lib, method, cfg, model, data, compiler_options)
     out = block(call(data.xs))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     with CompileCounter() as counter:

@@ -19,6 +19,7 @@ import etrax
 from .compiles import CompileCount
 from .models import LeakyTanhReadout
 from .oracles import bptt_grads
+from .typechecks import unchecked as typechecks_paused
 
 TOL = 1e-10
 T = 6
@@ -705,21 +706,113 @@ def test_uoro_draws_fresh_noise_per_sample_and_sequence_and_resumes(
     assert _same(resumed.etrace_grad(xs, ys, _sq), again)
 
 
-def test_an_all_zero_mask_is_not_a_silent_network_and_losses_are_bounded() -> None:
+def test_an_all_zero_mask_is_not_a_silent_network_and_losses_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A chunk whose mask scores no step has a zero gradient by design: no
     `SilentNetworkWarning` (one scored step with a dead input still warns); and a new
-    loss function per call keeps at most `MAX_PROGRAMS` wrapped losses."""
+    loss function per call keeps at most `MAX_PROGRAMS` wrapped losses (lowered to 3
+    here: each new loss compiles a program)."""
+    from etrax.algorithms import _learner
+
+    monkeypatch.setattr(_learner, "MAX_PROGRAMS", 3)
     learner, xs, ys = setup(etrax.DRTRL())
     with warnings.catch_warnings():
         warnings.simplefilter("error", etrax.SilentNetworkWarning)
         learner.etrace_grad(xs, ys, mse, mask=jnp.zeros(T))
     with pytest.warns(etrax.SilentNetworkWarning, match="every gradient is exactly zero"):
         learner.etrace_grad(xs, ys, lambda y, t: 0.0 * mse(y, t), mask=jnp.ones(T))
-    from etrax.algorithms._learner import MAX_PROGRAMS
 
     def scaled(k: int) -> Callable[[Array, Array], Array]:
         return lambda y, t: mse(y, t) * (1.0 + k)
 
-    for k in range(MAX_PROGRAMS + 5):
+    for k in range(_learner.MAX_PROGRAMS + 2):
         learner.etrace_grad(xs, ys, scaled(k), reduction="mean")
-    assert len(learner._weighted_losses) <= MAX_PROGRAMS
+        assert len(learner._weighted_losses) <= _learner.MAX_PROGRAMS
+        assert len(learner._programs) <= _learner.MAX_PROGRAMS
+    assert len(learner._weighted_losses) == _learner.MAX_PROGRAMS
+
+
+def test_compiler_options_reach_every_program_and_keep_the_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`compile(..., compiler_options=...)`: every program of the learner is jitted
+    with the options (XLA:CPU's older element-wise emitters here), the gradients
+    equal the default learner's, and the learner keeps the options read-only."""
+    options = {"xla_cpu_use_fusion_emitters": False}
+    seen: list[object] = []
+    jit = jax.jit
+
+    def recording_jit(fn: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("compiler_options"))
+        return jit(fn, **kwargs)
+
+    brainstate.random.seed(0)
+    model = LeakyTanhReadout(3, 5)
+    learner = etrax.compile(
+        model, etrax.PPProp(0.8), jnp.zeros((2, 3)), batch_size=2, compiler_options=options
+    )
+    assert dict(learner.compiler_options or {}) == options
+    with pytest.raises(TypeError):
+        learner.compiler_options["xla_cpu_use_fusion_emitters"] = True  # type: ignore[index]
+    options["xla_cpu_use_fusion_emitters"] = True  # the learner keeps its own copy
+    assert dict(learner.compiler_options or {}) == {"xla_cpu_use_fusion_emitters": False}
+    default, xs, ys = setup(etrax.PPProp(0.8))
+    assert default.compiler_options is None
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    got = learner.etrace_grad(xs, ys, mse)
+    learner.etrace_evolve(xs)
+    monkeypatch.undo()
+    assert len(seen) == 2
+    assert all(o == {"xla_cpu_use_fusion_emitters": False} for o in seen), seen
+    want = default.etrace_grad(xs, ys, mse)
+    assert rel(got, want) < TOL
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ([("xla_cpu_use_fusion_emitters", False)], TypeError, "must be a mapping"),
+        ({"xla_cpu_use_fusion_emitters": [False]}, TypeError, "str, bool, int or float"),
+        ({1: False}, TypeError, "option names"),
+        ({"xla_no_such_option": 1}, ValueError, "xla_no_such_option"),
+        ({"xla_cpu_use_fusion_emitters": 0}, ValueError, "True or False"),
+    ],
+)
+def test_compiler_options_xla_refuses_fail_when_the_learner_is_built(
+    options: Any, error: type[Exception], match: str
+) -> None:
+    """Options of the wrong form, an option this XLA does not know, or a value of the
+    wrong type fail in `etrax.compile`, not at the first training call (etrax's own
+    checks: the suite's runtime type checks paused)."""
+    with typechecks_paused(), pytest.raises(error, match=match):
+        etrax.compile(
+            LeakyTanhReadout(3, 5),
+            "d_rtrl",
+            jnp.zeros((2, 3)),
+            batch_size=2,
+            compiler_options=options,
+        )
+
+
+def test_compiler_options_are_checked_by_value_and_type() -> None:
+    """XLA's answer is cached per set of options, keyed by type as well as value:
+    ``True`` is accepted for a bool option, and ``1`` (equal to ``True``, so the same
+    key in a plain cache) is still refused after it."""
+    model = LeakyTanhReadout(3, 5)
+    ok = etrax.compile(
+        model,
+        "d_rtrl",
+        jnp.zeros((2, 3)),
+        batch_size=2,
+        compiler_options={"xla_cpu_use_fusion_emitters": True},
+    )
+    assert dict(ok.compiler_options or {}) == {"xla_cpu_use_fusion_emitters": True}
+    with pytest.raises(ValueError, match="True or False"):
+        etrax.compile(
+            model,
+            "d_rtrl",
+            jnp.zeros((2, 3)),
+            batch_size=2,
+            compiler_options={"xla_cpu_use_fusion_emitters": 1},
+        )

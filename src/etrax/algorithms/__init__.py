@@ -38,7 +38,7 @@ from ._drivers import (
 )
 from ._drtrl import ParamTraces, PerParameter
 from ._evaluate import Evaluation, evaluate
-from ._learner import OnlineLearner, compile
+from ._learner import CompilerOptions, OnlineLearner, compile
 from ._pp import InputOutput, IOTraces
 from ._presets import (
     DNI,
@@ -67,6 +67,7 @@ __all__ = [
     "UORO",
     "BPTTResult",
     "Bootstrapped",
+    "CompilerOptions",
     "Coupled",
     "Diagonal",
     "EProp",

@@ -6,9 +6,11 @@ in the model (read before, written after each call); traces live in the learner.
 """
 
 import dataclasses
+import functools
 import pathlib
+import types
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from types import ModuleType
 from typing import Any, BinaryIO, Literal, TypeAlias, TypeVar, cast, overload
 
@@ -49,10 +51,13 @@ from ._drivers import (
 from ._presets import by_name
 from ._rule import LearningRule
 
-__all__ = ["LossOutput", "OnlineLearner", "compile"]
+__all__ = ["CompilerOptions", "LossOutput", "OnlineLearner", "compile"]
 
 OptT = TypeVar("OptT")
 Grads: TypeAlias = PathDict[ArrayTree]
+CompilerOptions: TypeAlias = Mapping[str, str | bool | int | float]
+"""XLA options for a learner's programs (`jax.jit`'s ``compiler_options``), e.g.
+``{"xla_cpu_use_fusion_emitters": False}``."""
 LossOutput: TypeAlias = Literal["weighted", "per_step", "total"]
 """Which losses `OnlineLearner.etrace_grad` returns: ``"weighted"`` the per-step
 ``w_t · loss_t`` (the terms of the objective), ``"per_step"`` the raw per-step
@@ -80,6 +85,59 @@ def _algorithm(algorithm: object) -> OnlineAlgorithm[Any]:
     )
 
 
+def checked_compiler_options(options: CompilerOptions | None) -> CompilerOptions | None:
+    """`options` as a read-only mapping, once XLA has accepted them: a tiny program is
+    compiled with them (about 20 ms, once per set of options), so that an unknown
+    option or a value of the wrong type fails here, with the option named, rather
+    than at the first training call.
+
+    **Raises:** `TypeError` for anything but a mapping from option names (`str`) to
+    `str`, `bool`, `int` or `float` values; `ValueError` for options XLA refuses.
+    """
+    if options is None:
+        return None
+    given: object = options  # checked as a user without runtime type checks passes it
+    if not isinstance(given, Mapping):
+        raise TypeError(
+            "compiler_options must be a mapping from XLA option names to values, e.g. "
+            f"{{'xla_cpu_use_fusion_emitters': False}}, got {given!r}"
+        )
+    items: list[tuple[str, str | bool | int | float]] = []
+    for name, value in given.items():
+        if not isinstance(name, str) or not isinstance(value, str | bool | int | float):
+            raise TypeError(
+                "compiler_options maps XLA option names (str) to str, bool, int or float "
+                f"values, got {name!r}: {value!r}"
+            )
+        items.append((name, value))
+    refused = _refused_by_xla(tuple(sorted((n, type(v).__name__, v) for n, v in items)))
+    if refused is not None:
+        raise ValueError(
+            f"XLA refused compiler_options {dict(items)!r}: {refused}. Pass options of "
+            "this jaxlib's XLA with values of their type (a bool option takes True or "
+            "False), e.g. {'xla_cpu_use_fusion_emitters': False}."
+        )
+    return types.MappingProxyType(dict(items))
+
+
+@functools.cache
+def _refused_by_xla(options: tuple[tuple[str, str, str | bool | int | float], ...]) -> str | None:
+    """XLA's message when it refuses to compile a tiny program with these ``(name,
+    type name, value)`` options (`None` when it compiles). The type name is part of
+    the cache key: ``True == 1``, but XLA takes only the first for a bool option. The
+    probe is a new function each time, as JAX's own caches of a function's programs
+    take equal option values for the same."""
+
+    def probe() -> Array:
+        return jnp.zeros(())
+
+    try:
+        jax.jit(probe, compiler_options={n: v for n, _, v in options}).lower().compile()
+    except jax.errors.JaxRuntimeError as err:
+        return str(err)
+    return None
+
+
 class OnlineLearner:
     """Trains a brainstate model online; built by `etrax.compile`.
 
@@ -96,8 +154,9 @@ class OnlineLearner:
     read the results in host memory), so a first call compiles one XLA program and a
     call with new values (a new mask included) none. Building the learner compiles
     nothing when the rule's initial traces are constants (every built-in rule's are
-    zeros). Pass the same loss function object every call (a new function, e.g. a new
-    ``lambda``, builds a new program).
+    zeros), but for a tiny program that checks new `compiler_options`. Pass the same
+    loss function object every call (a new function, e.g. a new ``lambda``, builds a
+    new program).
 
     !!! Example
 
@@ -118,12 +177,16 @@ class OnlineLearner:
         graph: ETraceGraph,
         batch_size: int | None,
         vmap: bool = False,
+        compiler_options: CompilerOptions | None = None,
     ) -> None:
         self.model = model
         self.algorithm = algorithm
         self.graph = graph
         self.batch_size = batch_size
         self.vmap = vmap
+        self.compiler_options = checked_compiler_options(compiler_options)
+        """The XLA options every program of this learner is compiled with (`None`:
+        XLA's defaults)."""
         mi = graph.module_info
         self._written_other = frozenset(
             info.path for info in mi.states if info.kind is StateKind.OTHER and info.written
@@ -183,7 +246,8 @@ class OnlineLearner:
         without bound."""
         program = self._programs.pop(key, None)
         if program is None:
-            program = jax.jit(fn)
+            options = None if self.compiler_options is None else dict(self.compiler_options)
+            program = jax.jit(fn, compiler_options=options)
             while len(self._programs) >= MAX_PROGRAMS:
                 del self._programs[next(iter(self._programs))]
         self._programs[key] = program  # the most recently used last
@@ -943,6 +1007,7 @@ def compile(
     policy: CompilePolicy | None = None,
     seed: int | None = None,
     verbose: bool = False,
+    compiler_options: CompilerOptions | None = None,
 ) -> OnlineLearner:
     """Initialise a model's states, compile its graph and return an `OnlineLearner`.
 
@@ -967,12 +1032,22 @@ def compile(
       were drawn when the model was built, before this call: for reproducible
       weights, call ``brainstate.random.seed(s)`` before building the model.
     - `verbose`: print the compilation report.
+    - `compiler_options`: XLA options for every program the learner compiles (passed
+      to `jax.jit`), checked here. On the CPU, ``{"xla_cpu_use_fusion_emitters":
+      False}`` compiles the online program in about half the time, and its step then
+      runs slower where ``tanh`` and sigmoids dominate the element-wise work (GRU at
+      batch 32: up to 1.23×) and mostly faster elsewhere (LIF, ALIF, LSTM); see
+      "Shorter compiles on the CPU" in the benchmarks page. `None` (the default):
+      XLA's defaults.
 
-    **Raises:** `TypeError` for an unknown algorithm or a `vmap` that is not a bool,
-    `ValueError` for ``vmap=True`` without a positive `batch_size`, `StepInputError`
-    for ``vmap=True`` example inputs without the leading batch axis.
+    **Raises:** `TypeError` for an unknown algorithm, a `vmap` that is not a bool or
+    `compiler_options` that are not a mapping of names to values, `ValueError` for
+    ``vmap=True`` without a positive `batch_size` or for `compiler_options` that XLA
+    refuses, `StepInputError` for ``vmap=True`` example inputs without the leading
+    batch axis.
     """
     algo = _algorithm(algorithm)
+    options = checked_compiler_options(compiler_options)
     if not isinstance(vmap, bool):
         raise TypeError(f"vmap must be True or False, got {vmap!r}")
     if vmap:
@@ -1004,4 +1079,4 @@ def compile(
     if verbose:
         print(CompilationReport(graph))
     check_relations(graph, algo.name)
-    return OnlineLearner(model, algo, graph, batch_size, vmap)
+    return OnlineLearner(model, algo, graph, batch_size, vmap, options)
