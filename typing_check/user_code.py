@@ -37,6 +37,10 @@ def learner_api() -> None:
     learner = etrax.compile(cell, etrax.DRTRL(), jnp.zeros((B, N_IN)), batch_size=B)
     assert_type(learner, etrax.OnlineLearner)
     mapped = etrax.compile(cell, "pp_prop", jnp.zeros((B, N_IN)), batch_size=B, vmap=True)
+    options: etrax.CompilerOptions = {"xla_cpu_use_fusion_emitters": False}
+    x0 = jnp.zeros((B, N_IN))
+    fast = etrax.compile(cell, "eprop", x0, batch_size=B, compiler_options=options)
+    assert_type(fast.compiler_options, etrax.CompilerOptions | None)
     xs = jax.random.normal(jax.random.key(0), (T, B, N_IN))
     ys = jax.random.normal(jax.random.key(1), (T, B, 5))
 
