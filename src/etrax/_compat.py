@@ -159,18 +159,19 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     version of JAX's own evaluator that also casts invariant operands to varying
     inside `jax.shard_map`, as JAX's `lax` functions do when tracing user code)."""
     env: dict[Any, Any] = {}
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, jex.Literal) else env[atom]
-
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
-        outs = bind_equation(eqn, [read(a) for a in eqn.invars])
+        outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
         for v, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jex.DropVar):
                 env[v] = val
-    return [read(a) for a in jaxpr.outvars]
+    return [_read(env, a) for a in jaxpr.outvars]
+
+
+def _read(env: dict[Any, Any], atom: Any) -> Any:
+    # module level, not a closure: no new function per evaluated jaxpr
+    return atom.val if isinstance(atom, jex.Literal) else env[atom]
 
 
 def _varying_axes(value: Any) -> frozenset[Any] | None:
