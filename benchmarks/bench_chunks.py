@@ -14,17 +14,17 @@ Results go to ``<out>/chunks_<device>.md``. braintrace is not involved.
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 
-from ._common import RESULTS, table
+from ._common import table
 from .bench_peer import (
     Config,
     Lib,
     Program,
     _interleaved,
     add_only_option,
+    add_timing_options,
     build_program,
     make_data,
 )
@@ -45,10 +45,7 @@ def _arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--chunks", type=int, nargs="+", default=[1, 8, 32], help="the chunk lengths to time"
     )
-    parser.add_argument("--steps", type=int, default=64, help="T, steps per call")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
-    parser.add_argument("--min-time", type=float, default=0.1, help="seconds per sample")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    add_timing_options(parser, steps=64, rounds=5)
     return parser.parse_args(list(argv))
 
 

@@ -18,14 +18,13 @@ import argparse
 import ast
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 
 import etrax
 
-from ._common import RESULTS, table
+from ._common import table
 from .bench_peer import (
     MATRICES,
     Config,
@@ -33,6 +32,7 @@ from .bench_peer import (
     Program,
     _interleaved,
     add_only_option,
+    add_timing_options,
     build_program,
     first_call,
     make_data,
@@ -53,11 +53,8 @@ def _arguments(argv: Sequence[str]) -> argparse.Namespace:
         default=FAST_COMPILE,
         help="XLA options as a Python dict, e.g. \"{'xla_cpu_use_fusion_emitters': False}\"",
     )
-    parser.add_argument("--steps", type=int, default=32, help="T, steps per call")
     parser.add_argument("--builds", type=int, default=2, help="builds per first gradient")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
-    parser.add_argument("--min-time", type=float, default=0.1, help="seconds per sample")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    add_timing_options(parser, steps=32, rounds=7)
     return parser.parse_args(list(argv))
 
 

@@ -1151,6 +1151,15 @@ def _parse_config(text: str) -> Config:
     return Config(kind, int(layers), int(hidden), int(batch))
 
 
+def add_timing_options(parser: argparse.ArgumentParser, *, steps: int, rounds: int) -> None:
+    """``--steps``, ``--rounds``, ``--min-time`` and ``--out``, for the suites that time
+    compiled programs in interleaved rounds (`_interleaved`) and write one table."""
+    parser.add_argument("--steps", type=int, default=steps, help="T, steps per call")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+    parser.add_argument("--min-time", type=float, default=0.1, help="seconds per sample")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+
+
 def add_only_option(parser: argparse.ArgumentParser) -> None:
     """``--only MODEL:L:H:B ...``: these configurations instead of the suite's own."""
     parser.add_argument(
