@@ -77,6 +77,11 @@ def run(argv: Sequence[str] = ()) -> str:
     options: etrax.CompilerOptions = args.options
     configs: Sequence[Config] = args.only or MATRICES["cpu"]
     T: int = args.steps
+    variants: tuple[tuple[str, Lib, etrax.CompilerOptions | None], ...] = (
+        ("default", "etrax", None),
+        ("options", "etrax", options),
+        ("braintrace", "braintrace", None),
+    )
     header = [
         "model", "L", "H", "B", "method",
         "1st grad s default", "1st grad s options", "1st grad s braintrace",
@@ -90,11 +95,6 @@ def run(argv: Sequence[str] = ()) -> str:
         data = make_data(cfg, T)
         firsts: dict[tuple[str, str], float] = {}
         for method in METHODS:
-            variants: tuple[tuple[str, Lib, etrax.CompilerOptions | None], ...] = (
-                ("default", "etrax", None),
-                ("options", "etrax", options),
-                ("braintrace", "braintrace", None),
-            )
             for variant, lib, opts in variants:
                 seconds = _first_seconds(lib, method, cfg, data, opts, args.builds)
                 firsts[method, variant] = seconds
