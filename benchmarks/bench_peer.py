@@ -19,7 +19,10 @@ XLA compile and the first call), with the number of XLA compilations a second ca
 with new input values triggers; and, for pp-prop, the time of one call through each
 library's user path, Python included (``learner.etrace_grad`` against braintrace's
 jitted ``etrace_grad``). Ratios are to the same library's forward step and
-etrax / braintrace. Results go to ``<out>/peer_<device>.md`` and ``.png``.
+etrax / braintrace. Each program's matrix-product arithmetic is counted in XLA's
+optimised program and set beside the rate a large product reaches on this device
+(``benchmarks/_flops.py``): the floor no program doing those products can beat here.
+Results go to ``<out>/peer_<device>.md`` and ``.png``.
 
 braintrace is imported only here; it is installed by ``nox -s bench`` and never in the
 test or typecheck environments (``typings/braintrace`` stubs the surface used).
@@ -49,6 +52,7 @@ import etrax
 from etrax.algorithms._drivers import _block_length as chunk_length  # the driver's own rule
 
 from ._common import RESULTS, block, table
+from ._flops import matmul_program, product_flops
 
 Kind = Literal["GRU", "LSTM", "LIF", "ALIF"]
 Lib = Literal["etrax", "braintrace"]
@@ -342,12 +346,14 @@ def _braintrace_grad(learner: braintrace.ETraceAlgorithm) -> Callable[[Array, Ar
 
 @dataclasses.dataclass
 class Program:
-    """An AOT-compiled XLA executable with its arguments bound; for etrax's online
+    """An AOT-compiled XLA executable with its arguments bound, the floating-point
+    operations of its matrix products per call (`product_flops`); for etrax's online
     rules also the bytes of the traces it carries and the steps per chunk it runs
     (for the memory-traffic floor, `traffic_floor_s`)."""
 
     run: Callable[[], Any]
     scratch_mib: float
+    flops: float = math.nan
     trace_bytes: int = 0
     chunk: int = 0
 
@@ -359,7 +365,9 @@ def _aot(
     compiled = jax.jit(fn, compiler_options=options).lower(*args).compile()
     mem = compiled.memory_analysis()
     scratch = math.nan if mem is None else mem.temp_size_in_bytes / 2**20
-    return Program(functools.partial(compiled, *args), scratch)
+    text = compiled.as_text()
+    flops = math.nan if text is None else product_flops(text)
+    return Program(functools.partial(compiled, *args), scratch, flops)
 
 
 def stream_bandwidth(nbytes: int = 1 << 27, repeats: int = 9) -> float:
@@ -652,6 +660,31 @@ class Measured:
     first: FirstCall
     trace_bytes: int = 0
     chunk: int = 0
+    flops: float = math.nan  # of the matrix products, per step
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedWr:
+    """etrax's pp-prop on the model with constant reset gates (`FIXED_WR`)."""
+
+    step_s: float
+    flops: float  # of the matrix products, per step
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRun:
+    """One configuration's measurements (`measure`): every (library, method), etrax's
+    pp-prop with fixed reset gates (GRU models only), each library's seconds per call
+    through its user path, and the rate of a large matrix product timed among them."""
+
+    measured: dict[tuple[Lib, str], Measured]
+    fixed: FixedWr | None
+    calls: dict[Lib, float]
+    rate: float  # floating-point operations per second of `matmul_program`
+
+
+MATMUL = "matmul"
+"""The key of `matmul_program` among the interleaved programs."""
 
 
 def _interleaved(
@@ -686,10 +719,12 @@ def _interleaved(
 
 def measure(
     cfg: Config, index: int, T: int, rounds: int, min_time: float, first_repeats: int
-) -> tuple[dict[tuple[Lib, str], Measured], float | None, dict[Lib, float]]:
+) -> ConfigRun:
     """Every (library, method) of `cfg`; for GRU models, the per-step seconds of
-    etrax's pp-prop with fixed reset gates (`FIXED_WR`); and each library's seconds
-    per `CALLED` call through its user path (`user_call`); all interleaved."""
+    etrax's pp-prop with fixed reset gates (`FIXED_WR`); each library's seconds per
+    `CALLED` call through its user path (`user_call`); and the rate of a large matrix
+    product (`matmul_program`), so that a drift of the machine's speed moves the
+    floors with the steps; all interleaved."""
     data = make_data(cfg, T)
     firsts: dict[tuple[Lib, str], FirstCall] = {}
     # time to first gradient first, while nothing of this size has been compiled; the
@@ -708,7 +743,10 @@ def measure(
         programs["etrax", FIXED_WR] = build_program("etrax", FIXED_WR, cfg, data)
     for lib in LIBS:
         programs[lib, USER_CALL] = user_call(lib, CALLED, cfg, data)
+    product, product_flops = matmul_program()
+    programs["etrax", MATMUL] = Program(product, math.nan, product_flops)
     per_call = _interleaved(programs, rounds, min_time)
+    rate = product_flops / per_call.pop(("etrax", MATMUL))
     fixed = per_call.pop(("etrax", FIXED_WR), None)
     calls = {lib: per_call.pop((lib, USER_CALL)) for lib in LIBS}
     measured = {
@@ -718,10 +756,12 @@ def measure(
             firsts[key],
             programs[key].trace_bytes,
             programs[key].chunk,
+            programs[key].flops / T,
         )
         for key in per_call
     }
-    return measured, None if fixed is None else fixed / T, calls
+    fixed_wr = None if fixed is None else FixedWr(fixed / T, programs["etrax", FIXED_WR].flops / T)
+    return ConfigRun(measured, fixed_wr, calls, rate)
 
 
 # --- report ------------------------------------------------------------------------
@@ -833,15 +873,15 @@ def _zero_notes(results: dict[Config, dict[tuple[Lib, str], Measured]]) -> str:
 
 
 def _fixed_wr_section(
-    results: dict[Config, dict[tuple[Lib, str], Measured]], fixed_wr: dict[Config, float]
+    results: dict[Config, dict[tuple[Lib, str], Measured]], fixed_wr: dict[Config, FixedWr]
 ) -> str:
     """etrax's pp-prop with and without the reset-gate gradient beside braintrace's."""
     if not fixed_wr:
         return ""
     rows = []
-    for cfg, fixed in fixed_wr.items():
+    for cfg, fixed_run in fixed_wr.items():
         e, b = results[cfg]["etrax", "pp-prop"].step_s, results[cfg]["braintrace", "pp-prop"].step_s
-        fe = results[cfg]["etrax", "forward"].step_s
+        fe, fixed = results[cfg]["etrax", "forward"].step_s, fixed_run.step_s
         rows.append(
             [
                 cfg.model, str(cfg.layers), str(cfg.hidden), str(cfg.batch),
@@ -976,6 +1016,68 @@ and per-kernel costs. Trace MiB counts every trace the rule carries (e-prop: the
 """
 
 
+def _arithmetic_row(
+    head: list[str], method: str, e_flops: float, e_s: float, b: Measured | None, rate: float
+) -> list[str]:
+    e_floor = e_flops / rate
+    b_floor = math.nan if b is None else b.flops / rate
+    return [
+        *head, method,
+        f"{e_flops / 1e6:,.2f}", "–" if b is None else f"{b.flops / 1e6:,.2f}",
+        f"{e_floor * 1e6:,.1f}", f"{e_s * 1e6:,.1f}", _ratio(e_s, e_floor),
+        "–" if b is None else f"{b_floor * 1e6:,.1f}",
+        "–" if b is None else f"{b.step_s * 1e6:,.1f}",
+        "–" if b is None else _ratio(b.step_s, b_floor),
+        "–" if b is None else _ratio(e_floor, b.step_s),
+    ]  # fmt: skip
+
+
+def _arithmetic_section(
+    results: dict[Config, dict[tuple[Lib, str], Measured]],
+    fixed_wr: dict[Config, FixedWr],
+    rates: dict[Config, float],
+) -> str:
+    """Every program's matrix-product arithmetic per step and the time it takes at
+    this device's matrix-product rate, timed among the configuration's programs
+    (`matmul_program`): a floor no program doing the same products can beat here."""
+    rows = []
+    for cfg, res in results.items():
+        rate = rates[cfg]
+        head = [cfg.model, str(cfg.layers), str(cfg.hidden), str(cfg.batch), f"{rate / 1e9:,.1f}"]
+        for method in METHODS:
+            e, b = res["etrax", method], res.get(("braintrace", method))
+            rows.append(_arithmetic_row(head, method, e.flops, e.step_s, b, rate))
+            fixed = fixed_wr.get(cfg)
+            if method == "pp-prop" and fixed is not None:  # beside braintrace's pp-prop
+                rows.append(_arithmetic_row(head, FIXED_WR, fixed.flops, fixed.step_s, b, rate))
+    if not rows:
+        return ""
+    return f"""
+## Every method against its matrix products' floor
+
+The floating-point operations of every matrix product a program runs per step,
+counted in XLA's optimised program (what XLA removed as dead code is not counted;
+a loop body counts once per iteration), and the time they take at the rate of one
+float32 2,048 × 2,048 product on this device (8,192 on a GPU), timed in the same
+interleaved rounds as the configuration's programs (so a drift of a shared machine's
+speed moves the floor with the steps). "× floor" is how far a step is from that
+time: near 1, the step is its products and nothing else, and only fewer products
+can make it faster. The last column sets etrax's floor beside braintrace's measured
+step: above 1, etrax cannot match braintrace's step on this device without dropping
+products (for pp-prop on the GRU models, the two of `Wr`'s exact gradient that
+braintrace does not compute; compare the `{FIXED_WR}` row, etrax without them).
+
+{table(ARITHMETIC_HEADER, rows)}
+"""
+
+
+ARITHMETIC_HEADER = [
+    "model", "L", "H", "B", "GFLOP/s", "method", "etrax MFLOP/step", "braintrace MFLOP/step",
+    "etrax floor µs/step", "etrax µs/step", "etrax × floor", "braintrace floor µs/step",
+    "braintrace µs/step", "braintrace × floor", "etrax floor / braintrace µs/step",
+]  # fmt: skip
+
+
 TRAFFIC_HEADER = [
     "model", "L", "H", "B", "method", "trace MiB", "steps per chunk", "floor µs/step",
     "etrax µs/step", "etrax × floor", "per-step floor µs/step", "braintrace µs/step",
@@ -1033,13 +1135,14 @@ FIXED_WR_HEADER = [
 
 def report(
     results: dict[Config, dict[tuple[Lib, str], Measured]],
-    fixed_wr: dict[Config, float],
+    fixed_wr: dict[Config, FixedWr],
     calls: dict[Config, dict[Lib, float]],
     T: int,
     rounds: int,
     first_repeats: int,
     matrix: str,
     bandwidth: float,
+    rates: dict[Config, float],
 ) -> str:
     platform, kind = _device()
     speed, memory = _rows(results)
@@ -1090,7 +1193,8 @@ machines are noisy: compare ratios within this table, not absolute times across 
 
 {table(MEMORY_HEADER, memory)}
 {_two_calls_section(results, T)}{_fixed_wr_section(results, fixed_wr)}\
-{_user_call_section(results, calls, T)}{_traffic_section(results, bandwidth)}"""
+{_user_call_section(results, calls, T)}{_traffic_section(results, bandwidth)}\
+{_arithmetic_section(results, fixed_wr, rates)}"""
 
 
 def plot(results: dict[Config, dict[tuple[Lib, str], Measured]], path: Path) -> None:
@@ -1216,8 +1320,9 @@ def run(argv: Sequence[str] = ()) -> str:
     args.out.mkdir(parents=True, exist_ok=True)
     md, png = args.out / f"peer_{tag}.md", args.out / f"peer_{tag}.png"
     results: dict[Config, dict[tuple[Lib, str], Measured]] = {}
-    fixed_wr: dict[Config, float] = {}
+    fixed_wr: dict[Config, FixedWr] = {}
     calls: dict[Config, dict[Lib, float]] = {}
+    rates: dict[Config, float] = {}
     start = time.perf_counter()
     text = ""
     bandwidth = stream_bandwidth()
@@ -1231,15 +1336,15 @@ def run(argv: Sequence[str] = ()) -> str:
                 print(f"  budget of {args.budget:.0f} s spent: {left} configuration(s) left out")
                 break
             print(f"  {cfg.label}", flush=True)
-            results[cfg], fixed, calls[cfg] = measure(
-                cfg, i, steps, args.rounds, args.min_time, first_repeats
-            )
-            if fixed is not None:
-                fixed_wr[cfg] = fixed
+            done = measure(cfg, i, steps, args.rounds, args.min_time, first_repeats)
+            results[cfg], calls[cfg], rates[cfg] = done.measured, done.calls, done.rate
+            if done.fixed is not None:
+                fixed_wr[cfg] = done.fixed
             _clear_caches()
             text = report(
-                results, fixed_wr, calls, steps, args.rounds, first_repeats, matrix, bandwidth
-            )
+                results, fixed_wr, calls, steps, args.rounds, first_repeats, matrix, bandwidth,
+                rates,
+            )  # fmt: skip
             md.write_text(text)  # after every configuration, so a cut-off run keeps its rows
             plot(results, png)
     print(f"wrote {md} and {png} ({time.perf_counter() - start:.0f} s)")

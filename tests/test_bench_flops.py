@@ -1,0 +1,85 @@
+"""The benchmarks' count of matrix-product arithmetic (`benchmarks/_flops.py`): exact
+on programs whose products are known, loops counted per iteration, the costlier
+branch of a conditional, and a loop of unknown length refused."""
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+FLOPS = Path(__file__).parents[1] / "benchmarks" / "_flops.py"
+
+
+def _module() -> Any:
+    spec = importlib.util.spec_from_file_location("etrax_bench_flops", FLOPS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+flops = _module()
+
+
+def _count(fn: Any, *args: Any) -> float:
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    assert text is not None
+    count: float = flops.product_flops(text)
+    return count
+
+
+def _ones(*shape: int) -> jax.Array:
+    return jnp.linspace(0.0, 1.0, num=int(jnp.prod(jnp.array(shape)))).reshape(shape)
+
+
+def test_one_product() -> None:
+    assert _count(lambda a, b: jnp.tanh(a @ b), _ones(8, 16), _ones(16, 24)) == 2 * 8 * 16 * 24
+
+
+def test_batched_product() -> None:
+    def f(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.einsum("bij,bjk->bik", a, b)
+
+    assert _count(f, _ones(3, 8, 16), _ones(3, 16, 24)) == 2 * 3 * 8 * 16 * 24
+
+
+def test_scans_count_each_iteration() -> None:
+    def inner(h: jax.Array, w: jax.Array) -> jax.Array:
+        def body(c: jax.Array, _: None) -> tuple[jax.Array, None]:
+            return jnp.tanh(c @ w), None
+
+        return jax.lax.scan(body, h, None, length=5)[0]
+
+    def outer(h: jax.Array, w: jax.Array, v: jax.Array) -> jax.Array:
+        def body(c: jax.Array, _: None) -> tuple[jax.Array, None]:
+            return jnp.sin(inner(c, w) @ v), None
+
+        return jax.lax.scan(body, h, None, length=3)[0]
+
+    got = _count(outer, _ones(8, 16), _ones(16, 16), _ones(16, 16))
+    assert got == 3 * (5 + 1) * 2 * 8 * 16 * 16
+
+
+def test_conditional_counts_its_costliest_branch() -> None:
+    def f(p: jax.Array, a: jax.Array, w: jax.Array) -> jax.Array:
+        out: jax.Array = jax.lax.cond(p, lambda x: jnp.tanh(jnp.tanh(x @ w) @ w), jnp.sin, a)
+        return out
+
+    assert _count(f, jnp.array(True), _ones(8, 16), _ones(16, 16)) == 2 * (2 * 8 * 16 * 16)
+
+
+def test_a_loop_of_unknown_length_is_refused() -> None:
+    def f(n: jax.Array, a: jax.Array, w: jax.Array) -> jax.Array:
+        out: jax.Array = jax.lax.fori_loop(0, n, lambda _, x: jnp.tanh(x @ w), a)
+        return out
+
+    with pytest.raises(ValueError, match="known trip count"):
+        _count(f, jnp.array(4), _ones(8, 16), _ones(16, 16))
+
+
+def test_matmul_rate_is_a_rate() -> None:
+    rate = flops.matmul_rate(n=128, repeats=2)
+    assert 1e6 < rate < 1e16
