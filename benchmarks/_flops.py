@@ -28,6 +28,8 @@ _CALLED_SET = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]
 _TWO_WAY = re.compile(r"\btrue_computation=%([\w.\-]+), false_computation=%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONTRACT = re.compile(r"\blhs_contracting_dims=\{([\d,]*)\}")
+_GEMM = re.compile(r'custom_call_target="[^"]*(?:gemm|matmul)[^"]*"', re.IGNORECASE)
+_GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -84,6 +86,8 @@ class _Computation:
             return
         if op.group(1) == "dot" and shape is not None:
             self.flops += self._dot(_dims(shape.group(1)), after[op.end() :])
+        elif op.group(1) == "custom-call" and _GEMM.search(after):  # a library GEMM (GPU)
+            self.flops += self._gemm(kind, after[op.end() :])
         trip = _TRIP.search(after)
         times = int(trip.group(1)) if trip and op.group(1) == "while" else 1
         for called in _CALLED.findall(after):
@@ -103,18 +107,34 @@ class _Computation:
                 "program whose loops are scans of a fixed length"
             )
 
-    def _dot(self, out: tuple[int, ...], operands: str) -> float:
+    def _lhs_shape(self, operands: str) -> tuple[int, ...]:
         lhs = next(_operands(operands))
         shape = _SHAPE.match(lhs)
-        lhs_shape = _dims(shape.group(1)) if shape else self.shapes[lhs.split()[-1].lstrip("%")]
+        return _dims(shape.group(1)) if shape else self.shapes[lhs.split()[-1].lstrip("%")]
+
+    def _dot(self, out: tuple[int, ...], operands: str) -> float:
         contract = _CONTRACT.search(operands)
         contracted = _dims(contract.group(1)) if contract else ()
-        return 2.0 * math.prod(out) * math.prod(lhs_shape[d] for d in contracted)
+        lhs = self._lhs_shape(operands)
+        return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracted)
+
+    def _gemm(self, kind: str, operands: str) -> float:
+        """A GEMM custom call (cuBLAS): its result is the first element of a tuple
+        (result, workspace) or the whole type; its contraction is in its backend
+        config's ``dot_dimension_numbers``."""
+        out = _SHAPE.match(kind.lstrip("("))
+        contract = _GEMM_CONTRACT.search(operands)
+        if out is None or contract is None:
+            raise ValueError(f"product_flops: a GEMM call not understood: {operands[:200]!r}")
+        contracted = [int(d.strip().strip('"')) for d in contract.group(1).split(",") if d.strip()]
+        lhs = self._lhs_shape(operands)
+        return 2.0 * math.prod(_dims(out.group(1))) * math.prod(lhs[d] for d in contracted)
 
 
 def product_flops(hlo_text: str) -> float:
-    """Floating-point operations of the matrix products (``dot``) in an optimised HLO
-    module's text, loop bodies counted once per iteration and a conditional by its
+    """Floating-point operations of the matrix products in an optimised HLO module's
+    text (``dot`` instructions, inside fusions too, and GEMM library calls such as
+    cuBLAS's), loop bodies counted once per iteration and a conditional by its
     costliest branch; a loop without a known trip count is a `ValueError`."""
     computations: dict[str, _Computation] = {}
     entry, current = "", None

@@ -83,3 +83,53 @@ def test_a_loop_of_unknown_length_is_refused() -> None:
 def test_matmul_rate_is_a_rate() -> None:
     rate = flops.matmul_rate(n=128, repeats=2)
     assert 1e6 < rate < 1e16
+
+
+_DIMS = (
+    '"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+    '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}'
+)
+
+
+def _gemm(name: str, result: str, args: str) -> str:
+    return (
+        f"  %{name} = ({result}, s8[1024]{{0}}) custom-call({args}), "
+        f'custom_call_target="__cublas$gemm", '
+        f'backend_config={{"gemm_backend_config":{{"alpha_real":1,{_DIMS}}}}}'
+    )
+
+
+GPU_MODULE = "\n".join(
+    [
+        "HloModule jit_f",
+        "",
+        "%body (p: (s32[], f32[32,512])) -> (s32[], f32[32,512]) {",
+        "  %p = (s32[], f32[32,512]{1,0}) parameter(0)",
+        "  %w = f32[512,512]{1,0} constant({...})",
+        "  %h = f32[32,512]{1,0} get-tuple-element(%p), index=1",
+        _gemm("g", "f32[32,512]{1,0}", "%h, %w"),
+        "  ROOT %t = (s32[], f32[32,512]{1,0}) tuple(%i, %r)",
+        "}",
+        "",
+        "%cond (p.1: (s32[], f32[32,512])) -> pred[] {",
+        "  %p.1 = (s32[], f32[32,512]{1,0}) parameter(0)",
+        "  ROOT %lt = pred[] constant(true)",
+        "}",
+        "",
+        "ENTRY %main (a: f32[32,522], b: f32[522,512]) -> f32[32,512] {",
+        "  %a = f32[32,522]{1,0} parameter(0)",
+        "  %b = f32[522,512]{1,0} parameter(1)",
+        _gemm("first", "f32[32,512]{1,0}", "%a, %b"),
+        "  %w.1 = (s32[], f32[32,512]{1,0}) while(%init), condition=%cond, body=%body, "
+        'backend_config={"known_trip_count":{"n":"7"}}',
+        "  ROOT %out = f32[32,512]{1,0} get-tuple-element(%w.1), index=1",
+        "}",
+    ]
+)
+
+
+def test_gemm_library_calls_count_as_products() -> None:
+    """A GPU program's products are cuBLAS calls, not ``dot`` instructions (written
+    out here: this machine has no GPU to compile one)."""
+    expected = 2 * 32 * 522 * 512 + 7 * 2 * 32 * 512 * 512
+    assert flops.product_flops(GPU_MODULE) == expected
