@@ -762,10 +762,10 @@ def measure(
         programs["etrax", FIXED_WR] = build_program("etrax", FIXED_WR, cfg, data)
     for lib in LIBS:
         programs[lib, USER_CALL] = user_call(lib, CALLED, cfg, data)
-    product, product_flops = matmul_program()
-    programs["etrax", MATMUL] = Program(product, math.nan, product_flops)
+    large, large_flops = matmul_program()
+    programs["etrax", MATMUL] = Program(large, math.nan, large_flops)
     samples = _interleaved_samples(programs, rounds, min_time)
-    rate = product_flops / min(samples.pop(("etrax", MATMUL)))  # the fastest: a floor's rate
+    rate = large_flops / min(samples.pop(("etrax", MATMUL)))  # the fastest: a floor's rate
     per_call = {key: statistics.median(s) for key, s in samples.items()}
     fixed = per_call.pop(("etrax", FIXED_WR), None)
     calls = {lib: per_call.pop((lib, USER_CALL)) for lib in LIBS}
