@@ -1,6 +1,6 @@
 """The matrix-product arithmetic of a compiled program, and the rate this device runs
 matrix products at: together, a floor on a step's time that no program computing the
-same products can beat here (`product_flops(...) / matmul_rate()`). Self-contained
+same products can beat here (`product_flops`, and `matmul_program` timed). Self-contained
 (JAX only), so the tests load it by path.
 
 The products are counted in XLA's optimised program (`compiled.as_text()`), so what
@@ -10,14 +10,12 @@ once per iteration (XLA's ``known_trip_count``)."""
 import functools
 import math
 import re
-import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["matmul_program", "matmul_rate", "product_flops"]
+__all__ = ["matmul_program", "product_flops"]
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{$")
 _NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
@@ -174,16 +172,3 @@ def matmul_program(n: int | None = None) -> tuple[Callable[[], jax.Array], float
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     product = jax.jit(lambda x: x @ x).lower(a).compile()
     return functools.partial(product, a), 2.0 * n**3
-
-
-def matmul_rate(n: int | None = None, repeats: int = 5) -> float:
-    """Floating-point operations per second of `matmul_program`, the median of
-    `repeats` calls after a warm-up."""
-    run, flops = matmul_program(n)
-    run().block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run().block_until_ready()
-        times.append(time.perf_counter() - start)
-    return flops / statistics.median(times)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 FLOPS = Path(__file__).parents[1] / "benchmarks" / "_flops.py"
@@ -80,9 +81,15 @@ def test_a_loop_of_unknown_length_is_refused() -> None:
         _count(f, jnp.array(4), _ones(8, 16), _ones(16, 16))
 
 
-def test_matmul_rate_is_a_rate() -> None:
-    rate = flops.matmul_rate(n=128, repeats=2)
-    assert 1e6 < rate < 1e16
+def test_the_large_product_is_one_product_of_its_stated_arithmetic() -> None:
+    """`matmul_program`: the product ``a @ a`` it runs, and the operations it states
+    are those its compiled program holds (the benchmark's rate divides them by its
+    time)."""
+    run, stated = flops.matmul_program(n=64)
+    a = jax.random.normal(jax.random.PRNGKey(0), (64, 64), jnp.float32)
+    np.testing.assert_allclose(run(), a @ a, rtol=1e-5, atol=1e-4)
+    assert stated == 2 * 64**3
+    assert flops.product_flops(run.func.as_text()) == stated
 
 
 _DIMS = (
