@@ -775,3 +775,101 @@ def test_a_bias_added_after_a_sum_is_traced(recurrent: bool) -> None:
         _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact)
     if not recurrent:  # element-wise recurrence, input weights: D-RTRL is exact over T
         _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), bptt_grads(model, state, xs, ys, sq))
+
+
+class SharedOverPositions(brainstate.nn.Module):
+    """``(batch, *positions, in) @ (in, 2F) + b``, cut into a gate and a candidate:
+    one weight shared by every position, written without etrax (``@`` or
+    ``jnp.einsum``), or as two `etrax.nn.Linear` layers (one masked). The recurrence
+    is element-wise."""
+
+    def __init__(self, positions: tuple[int, ...], form: str) -> None:
+        super().__init__()
+        self.positions, self.form = positions, form
+        k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+        if form == "etrax.nn":
+            mask = jnp.where(jax.random.uniform(k2, (3, 4)) > 0.3, 1.0, 0.0)
+            self.gate = etrax.nn.Linear(3, 4, w_mask=mask)  # an ETP op is not cut: one each
+            self.cand = etrax.nn.Linear(3, 4)
+        else:
+            self.w = brainstate.ParamState(0.6 * jax.random.normal(k1, (3, 8)))
+            self.b = brainstate.ParamState(0.1 * jax.random.normal(k2, (8,)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        lead = () if batch_size is None else (batch_size,)
+        self.h = brainstate.HiddenState(jnp.zeros((*lead, *self.positions, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        if self.form == "etrax.nn":
+            gate, cand = self.gate(x), self.cand(x)
+        else:
+            if self.form == "einsum":
+                z = jnp.einsum("...i,io->...o", x, self.w.value) + self.b.value
+            else:
+                z = x @ self.w.value + self.b.value
+            gate, cand = jnp.split(z, 2, axis=-1)
+        g = jax.nn.sigmoid(gate)
+        new = (1 - g) * self.h.value + g * jnp.tanh(cand)
+        self.h.value = new
+        return new
+
+
+@pytest.mark.parametrize(
+    ("batch", "positions", "form"),
+    [
+        (3, (2,), "@"),
+        (None, (2, 5), "einsum"),
+        (2, (2, 3), "@"),
+        (2, (2, 1, 3), "einsum"),
+        (2, (2, 3), "etrax.nn"),
+        (None, (2, 1, 3), "etrax.nn"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_a_weight_shared_along_position_axes_is_traced(
+    batch: int | None, positions: tuple[int, ...], form: str
+) -> None:
+    """A product whose data has position axes besides the batch (``(B, N, in) @ W``)
+    is a width-1 `etrax.conv`, so the weight is traced into the hidden state of the
+    same positions (bias and fused gates included), exact at T = 1 for every rule
+    and for D-RTRL over the sequence (the recurrence is element-wise). Before, only
+    one free data axis was recognised, and the weight got its instantaneous gradient
+    only."""
+    model = SharedOverPositions(positions, form)
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    lead = () if batch is None else (batch,)
+    x_shape, h_shape = (*lead, *positions, 3), (*lead, *positions, 4)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(x_shape))
+    rules = graph.weight_rules()
+    assert rules and all(r.rule is etrax.WeightRule.TRACED for r in rules.values()), rules
+    if form != "etrax.nn":  # recognised in the model's own jaxpr, and said so
+        msgs = [r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED)]
+        assert any("etrax.conv (width 1" in m and "2 parts" in m for m in msgs), msgs
+    xs, ys = _sequence(x_shape, h_shape, T, seed=3)
+    rng = np.random.default_rng(0)
+    state = etrax.state_of(graph)
+    state = state.replace_hidden(
+        {p: jnp.asarray(rng.standard_normal(np.shape(v))) for p, v in state.hidden.items()}
+    )
+
+    def online(algo: etrax.OnlineAlgorithm[Any], steps: int) -> Any:
+        tr = algo.init(graph, state)
+        return dict(etrax.online_grad(graph, algo, state, tr, xs[:steps], ys[:steps], sq).grads)
+
+    exact = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.DRTRL(chunk_steps=1), etrax.PPProp(0.9), etrax.EProp()):
+        _close(online(algo, 1), exact)
+    _close(online(etrax.DRTRL(), T), bptt_grads(model, state, xs, ys, sq))
+
+
+def test_a_weight_shared_along_four_position_axes_is_not_traced() -> None:
+    """Negative control: four position axes besides the batch are more than a
+    convolution's three, so the weight stays a plain use with its instantaneous
+    gradient, reported with its reason."""
+    model = SharedOverPositions((2, 1, 2, 1), "@")
+    brainstate.nn.init_all_states(model, batch_size=2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((2, 2, 1, 2, 1, 3)))
+    rule = graph.weight_rules()[("w",)]
+    assert rule.rule is etrax.WeightRule.INSTANTANEOUS
+    assert rule.reason is K.WEIGHT_PLAIN_USE

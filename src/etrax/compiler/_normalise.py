@@ -185,21 +185,40 @@ class _Uses:
         return users[0]
 
 
-def _dense_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
-    """Whether a dot_general is ``x · W`` in a form `etrax.matmul` expresses: no batch
-    dimensions, one output feature axis of the weight, at most one free axis of the
-    data, and the output laid out as ``(*free data axes, features)``."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if lb or rb:
-        return False
+MAX_SHARED_AXES = 4
+"""The most free data axes a recognised ``x · W`` may have: one is `etrax.matmul`'s
+rows; two to four are a batch axis and one to three position axes that share the
+weight, written as a width-1 `etrax.conv` (whose spatial axes go up to three)."""
+
+
+def _free_axes(eqn: JaxprEqn, weight_slot: int) -> tuple[list[int], list[int], Sequence[int]]:
+    """``(free data axes, free weight axes, contracted weight axes)`` of a
+    dot_general whose weight is operand `weight_slot`."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
     ndim = [len(aval_of(a).shape) for a in eqn.invars]
     w_contract = rc if weight_slot == 1 else lc
     x_contract = lc if weight_slot == 1 else rc
     w_free = [d for d in range(ndim[weight_slot]) if d not in w_contract]
     x_free = [d for d in range(ndim[1 - weight_slot]) if d not in x_contract]
-    if len(w_free) != 1 or len(x_free) > 1 or not w_contract:
+    return x_free, w_free, w_contract
+
+
+def _dense_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
+    """Whether a dot_general is ``x · W`` in a form etrax's ops express: no batch
+    dimensions, one output feature axis of the weight, and the output laid out as
+    ``(*free data axes, features)``, with one free data axis at most (`etrax.matmul`)
+    or, for ``x`` on the left, up to `MAX_SHARED_AXES` (a width-1 `etrax.conv`: the
+    weight shared along the data's leading axes, e.g. ``(batch, positions, in) @
+    (in, out)``)."""
+    (_, _), (lb, rb) = eqn.params["dimension_numbers"]
+    if lb or rb:
         return False
-    return weight_slot == 1 or not x_free
+    x_free, w_free, w_contract = _free_axes(eqn, weight_slot)
+    if len(w_free) != 1 or not w_contract:
+        return False
+    if weight_slot == 0:
+        return not x_free
+    return len(x_free) <= MAX_SHARED_AXES
 
 
 def _conv_dims(eqn: JaxprEqn) -> bool:
@@ -492,7 +511,11 @@ class _Rewriter:
                 bias = None if bias is None else bias[part[0] : part[1]]
             if bias is not None:
                 bias = bias.astype(w2.dtype)
-            if eqn.primitive.name == "dot_general":
+            if eqn.primitive.name == "dot_general" and jnp.ndim(x2) > 2:
+                k = jnp.ndim(x2) - 2  # position axes sharing the weight
+                kernel = jnp.reshape(w2, (1,) * k + jnp.shape(w2))
+                y = conv(x2, kernel, bias, strides=(1,) * k, padding=((0, 0),) * k)
+            elif eqn.primitive.name == "dot_general":
                 y = matmul(x2, w2, bias)
             else:
                 p = eqn.params
@@ -557,9 +580,14 @@ class _Rewriter:
         paths = self._paths(
             sources.get(w_atom, frozenset()) if isinstance(w_atom, Var) else frozenset()
         )
+        shared = eqn.primitive.name == "dot_general" and (
+            len(_free_axes(eqn, plan.weight_slot)[0]) > 1
+        )
         op = (
             "etrax.grouped_matmul"
             if plan.grouped
+            else "etrax.conv (width 1: the weight shared along the data's leading axes)"
+            if shared
             else "etrax.matmul"
             if eqn.primitive.name == "dot_general"
             else "etrax.conv"
@@ -760,7 +788,8 @@ def _grouped_op(eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any) -> Any:
 
 def _dense_operands(eqn: JaxprEqn, slot: int, x: Any, w: Any) -> tuple[Any, Any]:
     """``(x2, W2)`` with ``x2 @ W2`` equal to the dot_general (`slot`: the weight's
-    operand position): ``x2`` of shape ``(in,)`` or ``(N, in)``, ``W2`` of ``(in, F)``.
+    operand position): ``x2`` of shape ``(in,)`` or ``(*free data axes, in)``, ``W2``
+    of ``(in, F)``.
     The contracted axes are flattened in the order the dot_general pairs them."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
     w_contract, x_contract = (tuple(rc), tuple(lc)) if slot == 1 else (tuple(lc), tuple(rc))

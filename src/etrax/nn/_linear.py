@@ -6,7 +6,7 @@ import brainstate
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ..ops import matmul
+from ..ops import conv, matmul
 from ._common import Initializer, feature_size, init_param
 
 __all__ = ["Linear"]
@@ -29,11 +29,13 @@ class Linear(brainstate.nn.Module):
     - `w_mask`: optional fixed mask multiplied into ``W`` inside the op (the trace is
       taken with respect to the raw ``W``).
 
-    Inputs with more than two axes are flattened to ``(batch, in)`` around the op. The
-    op's positions then do not line up with a hidden state of the input's shape, so
-    such a use is not traced into it (reported as
-    ``relation_excluded_shape_mismatch``; the weight learns from its exact
-    instantaneous gradient): give the layer ``(in,)`` or ``(batch, in)`` inputs.
+    Inputs with three to five axes, ``(batch, *positions, in)`` with one to three
+    position axes sharing the weight, go through a width-1 `etrax.conv`, so their
+    positions line up with a hidden state of shape ``(batch, *positions, out)`` and
+    the weight is traced into it. Inputs with more axes are flattened to ``(rows,
+    in)`` around `etrax.matmul`; such a use is not traced into a hidden state of the
+    input's shape (reported as ``relation_excluded_shape_mismatch``; the weight
+    learns from its exact instantaneous gradient).
     """
 
     def __init__(
@@ -59,11 +61,17 @@ class Linear(brainstate.nn.Module):
             params["bias"] = init_param(b_init, (n_out,))
         self.weight = brainstate.ParamState(params)
         self._weight_fn = None
+        self._kernel_fns: dict[int, functools.partial[Array]] = {}
         if w_mask is not None:
             mask = jnp.asarray(w_mask)
             if mask.shape != (n_in, n_out):
                 raise ValueError(f"w_mask must have shape {(n_in, n_out)}, got {mask.shape}")
             self._weight_fn = functools.partial(_masked, mask)
+            # the same mask for the width-1 convolution's kernel, one per position count
+            self._kernel_fns = {
+                k: functools.partial(_masked, mask.reshape((1,) * k + mask.shape))
+                for k in (1, 2, 3)
+            }
 
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
@@ -71,6 +79,17 @@ class Linear(brainstate.nn.Module):
         bias = params.get("bias")
         if x.ndim <= 2:
             return matmul(x, params["weight"], bias, weight_fn=self._weight_fn)
+        k = x.ndim - 2  # position axes sharing the weight
+        if k <= 3:
+            w = params["weight"]
+            return conv(
+                x,
+                w.reshape((1,) * k + w.shape),
+                bias,
+                strides=(1,) * k,
+                padding=((0, 0),) * k,
+                kernel_fn=self._kernel_fns.get(k),
+            )
         lead = x.shape[:-1]
         y = matmul(x.reshape(-1, x.shape[-1]), params["weight"], bias, weight_fn=self._weight_fn)
         return y.reshape(*lead, y.shape[-1])

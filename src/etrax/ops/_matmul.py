@@ -133,7 +133,8 @@ def matmul(
     if x.ndim not in (1, 2):
         raise OpArgumentError(
             f"matmul: x must have shape (in,) or (batch, in), got {x.shape}; "
-            "reshape extra leading axes into one batch axis (etrax.nn.Linear does this)."
+            "for (batch, *positions, in) use etrax.nn.Linear (a width-1 etrax.conv, traced "
+            "per position) or reshape the leading axes into one batch axis."
         )
     if weight.ndim != 2:
         raise OpArgumentError(f"matmul: weight must have shape (in, out), got {weight.shape}.")
