@@ -873,3 +873,44 @@ def test_a_weight_shared_along_four_position_axes_is_not_traced() -> None:
     rule = graph.weight_rules()[("w",)]
     assert rule.rule is etrax.WeightRule.INSTANTANEOUS
     assert rule.reason is K.WEIGHT_PLAIN_USE
+
+
+class WideAccumulation(brainstate.nn.Module):
+    """``x · W`` of float32 operands summed in float64 (``preferred_element_type``),
+    with `positions` axes between the batch and the features."""
+
+    def __init__(self, positions: tuple[int, ...]) -> None:
+        super().__init__()
+        self.positions = positions
+        self.w = brainstate.ParamState(0.5 * jax.random.normal(jax.random.PRNGKey(7), (3, 4)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size or 1, *self.positions, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        f32 = jnp.float32
+        z = jax.lax.dot_general(
+            x.astype(f32), self.w.value.astype(f32), dims, preferred_element_type=jnp.float64
+        )
+        new = 0.5 * self.h.value + jnp.tanh(z)
+        self.h.value = new
+        return new
+
+
+@pytest.mark.parametrize("positions", [(), (2,)], ids=["rows", "positions"])
+def test_a_product_summed_in_a_wider_type_stays_exact(positions: tuple[int, ...]) -> None:
+    """A recognised product keeps the type it is summed in: float32 operands with
+    ``preferred_element_type=float64`` are computed in float64 (their products are
+    exact there), not rounded to float32 and cast (a 3e-8 relative error before)."""
+    model = WideAccumulation(positions)
+    brainstate.nn.init_all_states(model, batch_size=3)
+    x_shape, h_shape = (3, *positions, 3), (3, *positions, 4)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(x_shape))
+    assert graph.weight_rules()[("w",)].rule is etrax.WeightRule.TRACED
+    xs, ys = _sequence(x_shape, h_shape, 1, seed=8)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs, ys, sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs, ys)), exact)

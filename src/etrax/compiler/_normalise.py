@@ -506,6 +506,9 @@ class _Rewriter:
                 x2, w2 = _dense_operands(eqn, slot, x, w)
             else:
                 x2, w2 = x, w
+            wide = _accumulation_dtype(eqn, x2, w2)
+            if wide is not None:  # e.g. float32 operands summed in float64: the same
+                x2, w2 = x2.astype(wide), w2.astype(wide)  # products, exact in the wider type
             if part is not None:
                 w2 = w2[..., part[0] : part[1]]
                 bias = None if bias is None else bias[part[0] : part[1]]
@@ -784,6 +787,22 @@ def _grouped_op(eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any) -> Any:
     if not x_free:
         return y  # (G, O): the dot_general's order either way
     return jnp.transpose(y, (1, 0, 2) if slot == 1 else (1, 2, 0))
+
+
+def _accumulation_dtype(eqn: JaxprEqn, x: Any, w: Any) -> Any:
+    """The floating-point type a product asks to be computed in
+    (``preferred_element_type``) when it is wider than its operands' (`None`
+    otherwise): etrax's ops compute in their operands' type, so these are cast to it
+    first instead of rounding the products to the narrower type."""
+    want = eqn.params.get("preferred_element_type")
+    if want is None or not jnp.issubdtype(want, jnp.floating):
+        return None
+    have = [jnp.dtype(jnp.result_type(a)) for a in (x, w)]
+    if not all(jnp.issubdtype(d, jnp.floating) for d in have):
+        return None
+    if jnp.dtype(want).itemsize <= max(d.itemsize for d in have):
+        return None
+    return jnp.dtype(want)
 
 
 def _dense_operands(eqn: JaxprEqn, slot: int, x: Any, w: Any) -> tuple[Any, Any]:
