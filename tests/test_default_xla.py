@@ -5,18 +5,20 @@ optimisation level 0 and XLA:CPU's older element-wise emitters), which users do 
 set. With XLA's defaults, jax 0.10.2 on the CPU miscompiles some programs: ``jax.jit(
 jax.grad(...))`` over a `lax.scan` whose float64 step cuts ``x @ W + b`` in two gave a
 gradient 40 % off, where either of the suite's flags gave the right one. So here the
-online rules' programs are compiled with the defaults restored (per program, through
-``jax.jit``'s ``compiler_options``) and checked against the oracle, which stays
-compiled with the suite's flags: brainstate's own ``update`` through `jax.grad`.
+online rules' programs and `etrax.bptt_grad`'s are compiled with the defaults restored
+(per program, through ``jax.jit``'s ``compiler_options``, which take precedence over
+``XLA_FLAGS``) and checked against the oracle, which stays compiled with the suite's
+flags: brainstate's own ``update`` through `jax.grad`.
 """
 
 from typing import Any
 
+import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike
 
 import etrax
 
@@ -51,7 +53,7 @@ def _close(got: Any, want: Any) -> None:
 def test_online_rules_with_xla_defaults_equal_the_oracle(case: ModelCase) -> None:
     """At T = 1 from a random hidden state every rule equals BPTT for every parameter
     leaf; on a model whose recurrence is diagonal, D-RTRL equals it over `T` steps
-    (chunked, with a remainder) as well."""
+    (chunked, with a remainder) as well; `bptt_grad` equals it over `T` steps."""
     model, x = case.make()
     graph = etrax.compile_etrace_graph(model, x)
     values = random_state_values(graph, seed=3)
@@ -67,6 +69,68 @@ def test_online_rules_with_xla_defaults_equal_the_oracle(case: ModelCase) -> Non
     ]
     if case.exact_online:
         runs.append((etrax.DRTRL(chunk_steps=2), T))
+    _check_programs(model, graph, state, xs, ts, runs)
+
+
+class SplitGates(brainstate.nn.Module):
+    """``x @ W + b`` cut in two, each part leaking into its own hidden state: the step
+    whose ``jax.jit(jax.grad(scan))`` XLA's defaults miscompiled at these shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        k1, k2 = jax.random.split(jax.random.PRNGKey(9))
+        self.w = brainstate.ParamState(jax.random.normal(k1, (3, 10)))
+        self.b = brainstate.ParamState(jax.random.normal(k2, (10,)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((batch_size or 1, 4, 5)))
+        self.h2 = brainstate.HiddenState(jnp.zeros((batch_size or 1, 4, 5)))
+
+    def update(self, x: ArrayLike) -> Array:
+        a, c = jnp.split(jnp.asarray(x) @ self.w.value + self.b.value, 2, axis=-1)
+        self.h.value = 0.5 * self.h.value + jnp.tanh(a)
+        self.h2.value = 0.9 * self.h2.value + jax.nn.sigmoid(c)
+        out: Array = self.h.value + self.h2.value
+        return out
+
+
+@pytest.mark.slow
+def test_the_miscompiled_step_with_xla_defaults() -> None:
+    """The step behind the miscompile, through every rule and `bptt_grad` over three
+    steps (its recurrence is element-wise: D-RTRL is exact)."""
+    model = SplitGates()
+    brainstate.nn.init_all_states(model, batch_size=3)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((3, 4, 3)))
+    values = random_state_values(graph, seed=6)
+    state = etrax.state_of(graph)
+    state = state.replace_hidden({p: values[p] for p in state.hidden})
+    xs = jax.random.normal(jax.random.PRNGKey(7), (3, 3, 4, 3))
+    ts = jax.random.normal(jax.random.PRNGKey(8), (3, 3, 4, 5))
+    runs: list[tuple[etrax.OnlineAlgorithm[Any], int]] = [
+        (etrax.DRTRL(), 3),
+        (etrax.DRTRL(chunk_steps=1), 3),
+        (etrax.PPProp(0.9), 1),
+        (etrax.EProp(), 1),
+    ]
+    _check_programs(model, graph, state, xs, ts, runs)
+
+
+def _check_programs(
+    model: brainstate.nn.Module,
+    graph: etrax.ETraceGraph,
+    state: etrax.ModelState,
+    xs: Array,
+    ts: Array,
+    runs: list[tuple[etrax.OnlineAlgorithm[Any], int]],
+) -> None:
+    """Each ``(rule, steps)``'s gradient over the first `steps` steps, and `bptt_grad`'s
+    over all of them, compiled with `XLA_DEFAULTS`, against the oracle."""
+
+    def bptt(st: etrax.ModelState, xs: Array, ts: Array) -> Any:
+        return etrax.bptt_grad(graph, st, xs, ts, mse).grads
+
+    got = dict(jax.jit(bptt, compiler_options=dict(XLA_DEFAULTS))(state, xs, ts))
+    _close(got, bptt_grads(model, state, xs, ts, mse))
     for algo, steps in runs:
 
         def online(
