@@ -29,7 +29,7 @@ source location, so the result has the same inputs and outputs in the same order
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -191,16 +191,25 @@ rows; two to four are a batch axis and one to three position axes that share the
 weight, written as a width-1 `etrax.conv` (whose spatial axes go up to three)."""
 
 
-def _free_axes(eqn: JaxprEqn, weight_slot: int) -> tuple[list[int], list[int], Sequence[int]]:
-    """``(free data axes, free weight axes, contracted weight axes)`` of a
-    dot_general whose weight is operand `weight_slot`."""
+class _Axes(NamedTuple):
+    """A dot_general's axes, split by operand (data `x`, weight `w`)."""
+
+    x_free: list[int]
+    w_free: list[int]
+    x_contract: tuple[int, ...]
+    w_contract: tuple[int, ...]
+
+
+def _free_axes(eqn: JaxprEqn, weight_slot: int) -> _Axes:
+    """The free and contracted axes of a dot_general whose weight is operand
+    `weight_slot`, the contracted ones in the order the dot_general pairs them."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
     ndim = [len(aval_of(a).shape) for a in eqn.invars]
-    w_contract = rc if weight_slot == 1 else lc
-    x_contract = lc if weight_slot == 1 else rc
+    w_contract = tuple(rc if weight_slot == 1 else lc)
+    x_contract = tuple(lc if weight_slot == 1 else rc)
     w_free = [d for d in range(ndim[weight_slot]) if d not in w_contract]
     x_free = [d for d in range(ndim[1 - weight_slot]) if d not in x_contract]
-    return x_free, w_free, w_contract
+    return _Axes(x_free, w_free, x_contract, w_contract)
 
 
 def _dense_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
@@ -213,8 +222,9 @@ def _dense_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
     (_, _), (lb, rb) = eqn.params["dimension_numbers"]
     if lb or rb:
         return False
-    x_free, w_free, w_contract = _free_axes(eqn, weight_slot)
-    if len(w_free) != 1 or not w_contract:
+    axes = _free_axes(eqn, weight_slot)
+    x_free = axes.x_free
+    if len(axes.w_free) != 1 or not axes.w_contract:
         return False
     if weight_slot == 0:
         return not x_free
@@ -496,6 +506,7 @@ class _Rewriter:
     ) -> Any:
         """The ETP op equivalent to the anchor equation (on one feature range)."""
         from ..ops import conv, matmul
+        from ..ops._conv import shared_product
 
         with equation_context(eqn):
             if grouped:
@@ -515,9 +526,7 @@ class _Rewriter:
             if bias is not None:
                 bias = bias.astype(w2.dtype)
             if eqn.primitive.name == "dot_general" and jnp.ndim(x2) > 2:
-                k = jnp.ndim(x2) - 2  # position axes sharing the weight
-                kernel = jnp.reshape(w2, (1,) * k + jnp.shape(w2))
-                y = conv(x2, kernel, bias, strides=(1,) * k, padding=((0, 0),) * k)
+                y = shared_product(x2, w2, bias)  # position axes sharing the weight
             elif eqn.primitive.name == "dot_general":
                 y = matmul(x2, w2, bias)
             else:
@@ -584,7 +593,7 @@ class _Rewriter:
             sources.get(w_atom, frozenset()) if isinstance(w_atom, Var) else frozenset()
         )
         shared = eqn.primitive.name == "dot_general" and (
-            len(_free_axes(eqn, plan.weight_slot)[0]) > 1
+            len(_free_axes(eqn, plan.weight_slot).x_free) > 1
         )
         op = (
             "etrax.grouped_matmul"
@@ -810,11 +819,8 @@ def _dense_operands(eqn: JaxprEqn, slot: int, x: Any, w: Any) -> tuple[Any, Any]
     operand position): ``x2`` of shape ``(in,)`` or ``(*free data axes, in)``, ``W2``
     of ``(in, F)``.
     The contracted axes are flattened in the order the dot_general pairs them."""
-    (lc, rc), _ = eqn.params["dimension_numbers"]
-    w_contract, x_contract = (tuple(rc), tuple(lc)) if slot == 1 else (tuple(lc), tuple(rc))
+    x_free, w_free, x_contract, w_contract = _free_axes(eqn, slot)
     x_shape, w_shape = jnp.shape(x), jnp.shape(w)
-    x_free = [d for d in range(len(x_shape)) if d not in x_contract]
-    w_free = [d for d in range(len(w_shape)) if d not in w_contract]
     n_in = int(np.prod([x_shape[d] for d in x_contract]))
     x2 = jnp.reshape(
         jnp.transpose(x, (*x_free, *x_contract)), (*[x_shape[d] for d in x_free], n_in)

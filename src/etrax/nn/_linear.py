@@ -6,7 +6,8 @@ import brainstate
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ..ops import conv, matmul
+from ..ops import matmul
+from ..ops._conv import shared_product
 from ._common import Initializer, feature_size, init_param
 
 __all__ = ["Linear"]
@@ -79,17 +80,9 @@ class Linear(brainstate.nn.Module):
         bias = params.get("bias")
         if x.ndim <= 2:
             return matmul(x, params["weight"], bias, weight_fn=self._weight_fn)
-        k = x.ndim - 2  # position axes sharing the weight
-        if k <= 3:
-            w = params["weight"]
-            return conv(
-                x,
-                w.reshape((1,) * k + w.shape),
-                bias,
-                strides=(1,) * k,
-                padding=((0, 0),) * k,
-                kernel_fn=self._kernel_fns.get(k),
-            )
+        if x.ndim <= 5:  # (batch, *positions, in): traced per position
+            kernel_fn = self._kernel_fns.get(x.ndim - 2)
+            return shared_product(x, params["weight"], bias, kernel_fn=kernel_fn)
         lead = x.shape[:-1]
         y = matmul(x.reshape(-1, x.shape[-1]), params["weight"], bias, weight_fn=self._weight_fn)
         return y.reshape(*lead, y.shape[-1])

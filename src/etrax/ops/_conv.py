@@ -322,3 +322,22 @@ def conv(
             raise OpArgumentError(f"conv: bias must be ({out_ch},), got {bias.shape}")
         operands.append(bias)
     return bind(conv_p, *operands, has_bias=bias is not None, **params)
+
+
+def shared_product(
+    x: ArrayLike, weight: ArrayLike, bias: ArrayLike | None = None, kernel_fn: Transform = None
+) -> Array:
+    """``x · weight + bias`` for ``x`` of shape ``(batch, *positions, in)`` (one to three
+    position axes sharing the ``(in, out)`` weight), as a width-1 `conv`: each
+    position's output is traced to the weight on its own, so it lines up with a hidden
+    state of shape ``(batch, *positions, out)`` (`etrax.matmul` takes one row axis
+    only). `kernel_fn` acts on the ``(1, …, 1, in, out)`` kernel."""
+    x, weight = jnp.asarray(x), jnp.asarray(weight)
+    k = x.ndim - 2
+    if k not in (1, 2, 3) or weight.ndim != 2:
+        raise OpArgumentError(
+            f"shared_product: x must be (batch, *positions, in) with 1 to 3 position axes and "
+            f"weight (in, out), got x {x.shape} and weight {weight.shape}"
+        )
+    kernel = jnp.reshape(weight, (1,) * k + weight.shape)
+    return conv(x, kernel, bias, strides=(1,) * k, padding=((0, 0),) * k, kernel_fn=kernel_fn)
