@@ -32,6 +32,7 @@ __all__ = [
     "call_body",
     "constant_outputs",
     "define_primitive",
+    "derivative_rules_key",
     "equation_context",
     "equation_location",
     "eval_jaxpr",
@@ -345,6 +346,74 @@ _REBIND_IN_MAP: dict[str, Callable[[Any, Sequence[Any]], list[Any]]] = {
 }
 """Equations that hold jaxprs traced outside `jax.shard_map`, re-traced inside it when
 an input varies over a mesh axis (their bodies mix varying and invariant values)."""
+
+
+_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call"})
+
+
+def derivative_rules_key(jaxpr: Any) -> tuple[Any, ...]:
+    """What a printed jaxpr leaves out: the user's derivative rules in its
+    ``custom_jvp_call`` / ``custom_vjp_call`` equations (a surrogate spike's
+    pseudo-derivative), nested jaxprs included. The printed equation names the rule's
+    Python function only, so two rules with the same name and other constants (a
+    surrogate's ``alpha``) would print alike; each rule is keyed here by the printed
+    jaxpr of the equation's reverse-mode derivative, traced on abstract values, which
+    shows the rule's arithmetic and constants. A rule that cannot be traced so is
+    keyed by the equation's own identity: never equal to another compile's, which
+    costs a recompile, never a wrong program."""
+    found: list[Any] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CUSTOM_DERIVATIVES:
+            found.append(_rule_key(eqn))
+        for inner in inner_closed_jaxprs(eqn):
+            if eqn.primitive.name in _CUSTOM_DERIVATIVES:
+                continue  # the call's own body is printed; its rules show in the trace
+            nested = derivative_rules_key(inner.jaxpr)
+            if nested:
+                found.append(nested)
+    return tuple(found)
+
+
+def _rule_key(eqn: Any) -> tuple[Any, ...]:
+    avals = [aval_of(v) for v in eqn.invars]
+    wrt = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    outs = [i for i, v in enumerate(eqn.outvars) if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+
+    def pullback(args: list[Any], cotangents: list[Any]) -> Any:
+        def f(*diff: Any) -> list[Any]:
+            full = list(args)
+            for i, d in zip(wrt, diff, strict=True):
+                full[i] = d
+            result = _bind(eqn, full)
+            return [result[i] for i in outs]
+
+        _, vjp = jax.vjp(f, *(args[i] for i in wrt))
+        return vjp(cotangents)
+
+    structs = [shape_struct(a.shape, a.dtype) for a in avals]
+    cts = [shape_struct(eqn.outvars[i].aval.shape, eqn.outvars[i].aval.dtype) for i in outs]
+    try:
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            traced = jax.make_jaxpr(pullback)(structs, cts)
+    except Exception:  # any failure: key by identity (safe)
+        return (eqn.primitive.name, _Identity(eqn))
+    consts = tuple(_array_key(c) for c in traced.consts)
+    return (eqn.primitive.name, str(traced.jaxpr), consts)
+
+
+def _array_key(value: Any) -> tuple[Any, ...]:
+    arr = np.asarray(value)
+    return (arr.shape, str(arr.dtype), arr.tobytes())
+
+
+class _Identity:
+    """Equal only to itself (and hashable by identity): a key part for what has no
+    structural key."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
 
 
 def exclude_from_locations(*paths: str) -> None:

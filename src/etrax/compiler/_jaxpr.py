@@ -20,6 +20,7 @@ from .._compat import (
     Var,
     bind_equation,
     call_body,
+    derivative_rules_key,
     eval_jaxpr,
     replace_jaxpr,
     struct_of,
@@ -40,8 +41,9 @@ class Program:
 
     `input_ids` / `output_ids` name, in the step's `VarId` numbering, the values the
     program reads and produces (an output that is a literal has id `None`).
-    Equality is structural (the printed jaxpr and its constants), so two compiles
-    of the same model give equal programs.
+    Equality is structural (the printed jaxpr, its constants and its custom derivative
+    rules, `derivative_rules_key`), so two compiles of the same model give equal
+    programs, and a model whose surrogate changed gives another.
     """
 
     __slots__ = ("_key", "closed", "input_ids", "output_ids")
@@ -90,6 +92,7 @@ class Program:
                 tuple(_const_key(c) for c in self.closed.consts),
                 self.input_ids,
                 self.output_ids,
+                derivative_rules_key(self.closed.jaxpr),
             )
             object.__setattr__(self, "_key", key)
         return key
