@@ -151,7 +151,9 @@ def test_a_changed_derivative_rule_gives_another_graph() -> None:
             for u, v in zip(jax.tree.leaves(grads[name][path]), jax.tree.leaves(g), strict=True):
                 np.testing.assert_allclose(u, v, rtol=1e-9, atol=1e-12)
     w = ("fc", "weight")
-    flat = {k: np.concatenate([np.ravel(v) for v in jax.tree.leaves(g[w])]) for k, g in grads.items()}
+    flat = {
+        k: np.concatenate([np.ravel(v) for v in jax.tree.leaves(g[w])]) for k, g in grads.items()
+    }
     assert not np.allclose(flat["a"], flat["b"])
 
 
