@@ -1,9 +1,9 @@
 """Every use of every weight accounted for (float64).
 
-Four model families that once lost part of a gradient silently: a bias shared by a
+Model families that once lost part of a gradient silently: a bias shared by a
 traced and an untraced op, a weight tied between a recurrent op and a readout, an
-op reaching a second group through an untraceable connection, and hidden states of
-different shapes that feed each other. Each is checked against `jax.grad` through
+op reaching a second group through an untraceable connection, hidden states of
+different shapes that feed each other, and complex weights driving a real state. Each is checked against `jax.grad` through
 brainstate's *own* ``update`` (not etrax's programs): exact at T = 1 for every
 algorithm, and at T = 4 exact wherever the traced part is exact by theory.
 """
@@ -142,6 +142,35 @@ class SliceFeeds(brainstate.nn.Module):
 # --- the oracle: jax.grad through brainstate's own update ---------------------------------
 
 
+class ComplexParts(brainstate.nn.Module):
+    """A real state driven through complex values: ``z = x W + b`` with a complex bias
+    ``b`` and ``u = x B`` with a complex weight ``B``, read through their real and
+    imaginary parts. The traces are real, so the complex uses learn from their exact
+    instantaneous gradient (a trace kept only the real part of theirs); ``W`` stays
+    traced."""
+
+    def __init__(self, n_in: int = 3, n: int = 4) -> None:
+        super().__init__()
+        self.n = n
+        self.W = _w(12, n_in, n)
+        real = jnp.dtype(brainstate.environ.dftype())
+        complex_dtype = jnp.complex128 if real == jnp.float64 else jnp.complex64
+        re, im = _w(13, n_in, n).value, _w(14, n_in, n).value
+        self.B = brainstate.ParamState(jax.lax.complex(re, im).astype(complex_dtype))
+        self.b = brainstate.ParamState(jnp.full((n,), 0.1 + 0.2j, complex_dtype))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = _zeros(self.n)
+
+    def update(self, x: Array) -> Array:
+        z = (x @ self.W.value).astype(self.b.value.dtype) + self.b.value
+        u = x.astype(self.B.value.dtype) @ self.B.value
+        drive = jnp.real(z) + 2.0 * jnp.imag(z) + 0.5 * jnp.real(u) - 0.3 * jnp.imag(u)
+        h = 0.8 * self.h.value + jnp.tanh(drive)
+        self.h.value = h
+        return h
+
+
 def brainstate_grads(
     model: brainstate.nn.Module,
     state: etrax.ModelState,
@@ -217,6 +246,7 @@ MODELS: dict[str, Callable[[], brainstate.nn.Module]] = {
     "two-groups-one-op": TwoGroupsOneOp,
     "global-inhibition": GlobalInhibition,
     "slice-feeds": lambda: SliceFeeds(0.8),
+    "complex-parts": ComplexParts,
 }
 
 
@@ -270,6 +300,7 @@ EXACT_AT_4: dict[str, dict[Path, Callable[[Array], Array]]] = {
     "shared-bias": {("W",): lambda g: g, ("V",): lambda g: g, ("b",): lambda g: g[4:]},
     "tied-readout": {("W",): lambda g: g},
     "two-groups-one-op": {("V",): lambda g: g},
+    "complex-parts": {("W",): lambda g: g},
 }
 
 
@@ -335,6 +366,18 @@ def test_weight_rules_report_every_use() -> None:
     w = graph.weight_rules()[("W",)]
     assert w.rule is etrax.WeightRule.PARTLY_TRACED
     assert sorted(u.rule.value for u in w.uses) == ["instantaneous", "traced"]
+
+
+def test_complex_uses_are_reported_and_real_ones_traced() -> None:
+    graph, _, _, _ = _setup(ComplexParts(), 1)
+    rules = graph.weight_rules()
+    assert rules[("W",)].rule is etrax.WeightRule.TRACED
+    for p in (("B",), ("b",)):
+        assert rules[p].rule is etrax.WeightRule.INSTANTANEOUS
+        (use,) = rules[p].uses
+        assert use.reason is etrax.DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED
+    records = graph.explain(kind=etrax.DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED)
+    assert len(records) == 2 and all("complex" in r.message for r in records)
 
 
 def test_linked_groups_are_reported() -> None:

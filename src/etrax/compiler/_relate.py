@@ -656,8 +656,9 @@ def _relation(
 
 def _untraceable(ctx: _Context, op: _Op) -> str | None:
     """Why the online rules cannot trace `op`, if they cannot: it has no `ETPRules`,
-    or its rules refuse its parameters (a grouped convolution, an output layout they
-    do not handle) with a `NotSupportedError`."""
+    its data, output or weights are complex, or its rules refuse its parameters (a
+    grouped convolution, an output layout they do not handle) with a
+    `NotSupportedError`."""
     rules = op.spec.rules
     if rules is None:
         return (
@@ -667,6 +668,17 @@ def _untraceable(ctx: _Context, op: _Op) -> str | None:
     x_index = op.spec.x_index
     x = None if x_index is None else struct_of(op.eqn.invars[x_index])
     weights = {t.key: struct_of(op.eqn.invars[t.operand_index]) for t in op.trainables}
+    complex_values = [
+        name
+        for name, v in (("x", x), ("y", struct_of(op.y)), *weights.items())
+        if v is not None and jnp.issubdtype(v.dtype, jnp.complexfloating)
+    ]
+    if complex_values:
+        return (
+            f"its {', '.join(complex_values)} {'is' if len(complex_values) == 1 else 'are'} "
+            "complex, and the traces are real (a trace would keep only the real part of the "
+            "gradient)."
+        )
     try:
         rules.param_trace_shapes(x, struct_of(op.y), weights, op.eqn.params)
     except NotSupportedError as err:
