@@ -3,8 +3,9 @@
 Model families that once lost part of a gradient silently: a bias shared by a
 traced and an untraced op, a weight tied between a recurrent op and a readout, an
 op reaching a second group through an untraceable connection, hidden states of
-different shapes that feed each other, and complex weights driving a real state. Each is checked against `jax.grad` through
-brainstate's *own* ``update`` (not etrax's programs): exact at T = 1 for every
+different shapes that feed each other, and complex weights driving a real state.
+Each is checked against `jax.grad` through brainstate's *own* ``update`` (not etrax's
+programs): exact at T = 1 for every
 algorithm, and at T = 4 exact wherever the traced part is exact by theory.
 """
 
