@@ -816,3 +816,30 @@ def test_compiler_options_are_checked_by_value_and_type() -> None:
             batch_size=2,
             compiler_options={"xla_cpu_use_fusion_emitters": 1},
         )
+
+
+def test_a_new_rule_assigned_to_the_learner_is_the_one_that_runs() -> None:
+    """Assigning ``learner.algorithm`` drops the programs built for the old rule (they
+    closed over it: the old rule ran, silently) and starts fresh traces."""
+    learner, xs, ys = setup(etrax.PPProp(0.9))
+    learner.etrace_grad(xs, ys, mse)
+    learner.algorithm = etrax.PPProp(0.2)
+    learner.reset()
+    switched = learner.etrace_grad(xs, ys, mse)
+    fresh, _, _ = setup(etrax.PPProp(0.2))
+    old, _, _ = setup(etrax.PPProp(0.9))
+    assert rel(switched, fresh.etrace_grad(xs, ys, mse)) < TOL
+    assert rel(switched, old.etrace_grad(xs, ys, mse)) > 1e-3  # negative control
+    learner.algorithm = "d_rtrl"  # a name, as etrax.compile takes; new traces' type
+    assert isinstance(learner.traces, etrax.ParamTraces)
+    with pytest.raises(AttributeError):
+        learner.graph = fresh.graph  # type: ignore[misc]  # read-only, under test
+
+
+def test_the_learner_says_what_it_is_and_refuses_params_that_are_not_a_mapping() -> None:
+    learner, _, _ = setup(etrax.DRTRL())
+    assert repr(learner) == (
+        "OnlineLearner(LeakyTanhReadout, DRTRL, batch_size=2; 1 hidden group, 1 traced relation)"
+    )
+    with pytest.raises(TypeError, match="mapping from parameter path"):
+        learner.params = list(learner.params.values())

@@ -182,3 +182,46 @@ def test_derivative_rules_key_sees_custom_vjp_constants() -> None:
     assert derivative_rules_key(one) != derivative_rules_key(two)
     nested = jax.make_jaxpr(jax.jit(lambda y: jnp.sin(_clipped(2.0)(y))))(x).jaxpr
     assert derivative_rules_key(nested) == (derivative_rules_key(two),)
+
+
+class FixedNoise(brainstate.nn.Module):
+    """A leaky layer with a fixed noise pattern drawn from a typed PRNG key that the
+    module holds as a plain attribute: the key is a constant of the traced step."""
+
+    def __init__(self, key: Array) -> None:
+        super().__init__()
+        self.key = key
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4, brainstate.environ.dftype()))
+
+    def update(self, x: Array) -> Array:
+        noise = jax.random.normal(self.key, (4,), brainstate.environ.dftype())
+        self.h.value = 0.8 * self.h.value + jnp.tanh(self.fc(x) + 0.3 * noise)
+        return self.h.value
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_a_prng_key_constant_in_the_step_is_hashed_and_learned_through(
+    make_key: Callable[[int], Array],
+) -> None:
+    """A typed key constant made the graph unhashable (NumPy cannot hold key data), so
+    every driver failed with JAX's "non-hashable static arguments"."""
+    model = FixedNoise(make_key(42))
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert graph == etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert hash(graph) == hash(etrax.compile_etrace_graph(model, jnp.zeros(3)))
+    other = FixedNoise(make_key(7))
+    brainstate.nn.init_all_states(other)
+    assert graph != etrax.compile_etrace_graph(other, jnp.zeros(3))  # other noise, other step
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+    targets = jax.random.normal(jax.random.key(2), (5, 4))
+    state = etrax.state_of(graph)
+    algo = etrax.DRTRL()
+    got, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, targets, _mse)
+    expected = bptt_grads(model, state, xs, targets, _mse)  # D-RTRL is exact here
+    for path, g in expected.items():
+        for u, v in zip(jax.tree.leaves(got[path]), jax.tree.leaves(g), strict=True):
+            np.testing.assert_allclose(u, v, rtol=1e-9, atol=1e-12)

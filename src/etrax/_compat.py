@@ -26,6 +26,7 @@ __all__ = [
     "Primitive",
     "ShapedArray",
     "Var",
+    "array_key",
     "aval_of",
     "bind",
     "bind_equation",
@@ -397,11 +398,16 @@ def _rule_key(eqn: Any) -> tuple[Any, ...]:
             traced = jax.make_jaxpr(pullback)(structs, cts)
     except Exception:  # any failure: key by identity (safe)
         return (eqn.primitive.name, _Identity(eqn))
-    consts = tuple(_array_key(c) for c in traced.consts)
+    consts = tuple(array_key(c) for c in traced.consts)
     return (eqn.primitive.name, str(traced.jaxpr), consts)
 
 
-def _array_key(value: Any) -> tuple[Any, ...]:
+def array_key(value: Any) -> tuple[Any, ...]:
+    """A hashable key of an array's value: shape, dtype and bytes (a typed PRNG key by
+    its implementation and key data, which NumPy cannot hold)."""
+    if is_prng_key(value):
+        impl = str(jax.random.key_impl(value))
+        return ("key", impl, *array_key(jax.random.key_data(value)))
     arr = np.asarray(value)
     return (arr.shape, str(arr.dtype), arr.tobytes())
 

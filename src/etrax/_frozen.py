@@ -6,6 +6,8 @@ from typing import Any, Generic, TypeVar, final
 import jax
 import numpy as np
 
+from ._compat import array_key
+
 __all__ = ["FrozenDict", "hashable"]
 
 K = TypeVar("K")
@@ -22,8 +24,7 @@ def hashable(value: Any) -> Any:
         if isinstance(value, list | tuple):
             return tuple(hashable(v) for v in value)
         if isinstance(value, np.ndarray | jax.Array):
-            arr = np.asarray(value)
-            return (arr.shape, str(arr.dtype), arr.tobytes())
+            return array_key(value)
         return repr(value)
     return value
 

@@ -179,9 +179,9 @@ class OnlineLearner:
         vmap: bool = False,
         compiler_options: CompilerOptions | None = None,
     ) -> None:
-        self.model = model
-        self.algorithm = algorithm
-        self.graph = graph
+        self._model = model
+        self._algorithm = algorithm
+        self._graph = graph
         self.batch_size = batch_size
         self.vmap = vmap
         self.compiler_options = checked_compiler_options(compiler_options)
@@ -209,6 +209,50 @@ class OnlineLearner:
         """`DNI`'s synthetic-gradient model, trained by every `etrace_grad` call and
         carried to the next (`None` until the first call, and for other rules)."""
         self._start(batch_size)
+
+    @property
+    def model(self) -> brainstate.nn.Module:
+        """The brainstate model this learner trains (its states hold the current values)."""
+        return self._model
+
+    @property
+    def graph(self) -> ETraceGraph:
+        """The model's compiled `ETraceGraph` (fixed: for a changed model, build a new
+        learner with `etrax.compile`)."""
+        return self._graph
+
+    @property
+    def algorithm(self) -> OnlineAlgorithm[Any]:
+        """The learning rule. Assigning another one (``learner.algorithm =
+        etrax.PPProp(0.5)``, a preset or its name) drops the compiled programs and starts
+        fresh traces for it; the hidden states keep their values."""
+        return self._algorithm
+
+    @algorithm.setter
+    def algorithm(
+        self, value: OnlineAlgorithm[Any] | str | Callable[[], OnlineAlgorithm[Any]]
+    ) -> None:
+        algo = _algorithm(value)
+        if self.vmap and algo.synthetic_rate is not None:
+            raise ValueError(
+                f"{algo.name} trains one synthesiser from every call; a vmap learner would "
+                "train one per sample. Compile a batched model (vmap=False) for it."
+            )
+        self._algorithm = algo
+        self._programs.clear()  # each program closed over the old rule
+        self.synthesiser = None
+        self._start(self.batch_size)
+
+    def __repr__(self) -> str:
+        batch = "unbatched" if self.batch_size is None else f"batch_size={self.batch_size}"
+        vmap = ", vmap=True" if self.vmap else ""
+        groups = len(self._graph.hidden_groups)
+        relations = len(self._graph.hidden_param_op_relations)
+        return (
+            f"OnlineLearner({type(self._model).__name__}, {self._algorithm.name}, {batch}{vmap}; "
+            f"{groups} hidden group{'' if groups == 1 else 's'}, "
+            f"{relations} traced relation{'' if relations == 1 else 's'})"
+        )
 
     def _start(self, batch_size: int | None) -> None:
         """Fresh traces; with `vmap`, first the per-sample hidden and written states
@@ -316,6 +360,13 @@ class OnlineLearner:
     @params.setter
     def params(self, values: PyTree) -> None:
         self._check_bound(values)
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                "learner.params takes a mapping from parameter path to value, like "
+                f"learner.params itself, got {type(values).__name__}. Start from "
+                "learner.params and update it (e.g. optax.apply_updates(learner.params, "
+                "updates))."
+            )
         refs = dict(
             zip(self.graph.module_info.paths, self.graph.module_info.state_refs.states, strict=True)
         )

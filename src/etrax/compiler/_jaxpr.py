@@ -18,6 +18,7 @@ from .._compat import (
     JaxprEqn,
     Literal,
     Var,
+    array_key,
     bind_equation,
     call_body,
     derivative_rules_key,
@@ -28,11 +29,6 @@ from .._compat import (
 from .._typing import VarId
 
 __all__ = ["Program", "VarTable", "eval_equations", "inline_calls", "slice_program"]
-
-
-def _const_key(value: Any) -> tuple[Any, ...]:
-    arr = np.asarray(value)
-    return (arr.shape, str(arr.dtype), arr.tobytes())
 
 
 @final
@@ -89,7 +85,7 @@ class Program:
         if key is None:
             key = (
                 str(self.closed.jaxpr),
-                tuple(_const_key(c) for c in self.closed.consts),
+                tuple(array_key(c) for c in self.closed.consts),
                 self.input_ids,
                 self.output_ids,
                 derivative_rules_key(self.closed.jaxpr),
