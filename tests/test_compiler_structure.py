@@ -49,6 +49,14 @@ def test_seed_example_gru() -> None:
     assert len(graph.explain(hidden_path=("h",))) == 2
     assert graph.explain(weight_path=("Wr", "weight"), kind=K.RELATION_INCLUDED) == ()
     assert len(graph.explain()) == len(graph.diagnostics)
+    with pytest.raises(KeyError, match=r"Did you mean \('Wr', 'weight'\)"):
+        graph.explain(weight_path=("Wrr", "weight"))  # a typo is not "no diagnostics"
+    with pytest.raises(KeyError, match="names no state"):
+        graph.explain(hidden_path=("hh",))
+    method = etrax.ETraceGraph.explain
+    explain = getattr(method, "__wrapped__", method)  # past the test run's type checker
+    with pytest.raises(TypeError, match="must be a path, a tuple"):
+        explain(graph, weight_path="Wr")  # type: ignore[arg-type]  # the error under test
 
 
 def test_gru_structure() -> None:

@@ -1,5 +1,6 @@
 """The compiled `ETraceGraph`: the artifact every later layer reads."""
 
+import difflib
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, final
@@ -85,6 +86,14 @@ class WeightStatus(eqx.Module):
     relations: tuple[int, ...] = eqx.field(static=True)
     plain_use: bool = eqx.field(static=True)
     uses: tuple[ParamUse, ...] = eqx.field(static=True, default=())
+
+
+def _record_paths(r: CompilationRecord) -> tuple[Path, ...]:
+    """The state paths a record names (its weight, the other weights of its op, its
+    hidden states)."""
+    weights = r.context_dict.get("weight_paths", ())
+    own = () if r.weight_path is None else (r.weight_path,)
+    return (*own, *(tuple(p) for p in weights if isinstance(p, tuple)), *r.hidden_paths)
 
 
 class ETraceGraph(eqx.Module):
@@ -173,9 +182,38 @@ class ETraceGraph(eqx.Module):
         - `weight_path`: keep records about this ParamState.
         - `hidden_path`: keep records mentioning this hidden state.
         - `kind`: keep records of this `DiagnosticKind`.
+
+        **Raises:** `TypeError` for a path that is not a tuple (``('rnn', 'W')``, not
+        ``'rnn.W'``) or a `kind` that is not a `DiagnosticKind`; `KeyError` for a path
+        that names no state of the model (with the closest paths it has), so that a
+        typo does not read as "no diagnostics".
         """
         if kind is not None and not isinstance(kind, DiagnosticKind):
             raise TypeError(f"kind must be an etrax.DiagnosticKind, got {kind!r}")
+        mi = self.module_info
+        known = set(mi.paths) | {p for r in self.diagnostics for p in _record_paths(r)}
+        filters: list[tuple[str, object]] = [
+            ("weight_path", weight_path),
+            ("hidden_path", hidden_path),
+        ]
+        for name, given in filters:  # as passed (the type checker is not always on)
+            if given is None:
+                continue
+            if not isinstance(given, tuple | list):
+                example = mi.paths[0] if mi.paths else ("W",)
+                raise TypeError(
+                    f"{name} must be a path, a tuple such as {example!r} "
+                    f"(graph.module_info.paths lists them), got {given!r}"
+                )
+            if tuple(given) not in known:
+                close = difflib.get_close_matches(
+                    str(tuple(given)), [str(p) for p in known], n=3, cutoff=0.5
+                )
+                hint = f" Did you mean {', '.join(close)}?" if close else ""
+                raise KeyError(
+                    f"{name} {tuple(given)!r} names no state of this model.{hint} "
+                    "graph.module_info.paths lists them."
+                )
         out = []
         for r in self.diagnostics:
             if (

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, final
 
 import jax
-import numpy as np
 
 from .._compat import (
     ClosedJaxpr,
