@@ -886,3 +886,26 @@ def test_a_while_loop_on_a_differentiated_route_is_a_typed_error() -> None:
     for call in calls:
         with pytest.raises(etrax.NotSupportedError, match=r"while_loop \(at .*test_bad_input"):
             call()
+
+
+def test_arguments_of_the_wrong_kind_get_a_message_not_an_attribute_or_index_error() -> None:
+    """A `policy` given as a dict, a `seed` given as a string, a report level given as a
+    string and an empty `MultiStepData` each say what to pass (before: an
+    `AttributeError` deep in the compiler, brainstate's key error, a comparison
+    `TypeError`, an `IndexError`)."""
+    model, x = build(LeakyLinear, 3, 4)
+    with unchecked():
+        with pytest.raises(TypeError, match=r"policy must be an etrax\.CompilePolicy"):
+            etrax.compile_etrace_graph(model, x, policy={"unroll_limit": 4})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="seed must be an int"):
+            etrax.compile(model, etrax.DRTRL(), x, seed="0")  # type: ignore[arg-type]
+        graph = etrax.compile_etrace_graph(model, x)
+        with pytest.raises(ValueError, match="level must be 1"):
+            graph.report().to_str("2")
+        with pytest.raises(ValueError, match="level must be 1"):
+            graph.report().to_str(3)
+        executor = etrax.ETraceGraphExecutor(model)
+        executor.compile_graph(x)
+        with pytest.raises(etrax.StepInputError, match="leading time axis"):
+            executor.solve_h2w_h2h_jacobian(etrax.MultiStepData({}))
+    assert len(graph.report().to_str(2)) >= len(graph.report().to_str(1))  # both levels run

@@ -1114,6 +1114,8 @@ def compile(
             )
         example_inputs = _first_sample(example_inputs, batch_size)
     if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            raise TypeError(f"seed must be an int (or None), got {type(seed).__name__} {seed!r}")
         brainstate.random.seed(seed)
     brainstate.nn.init_all_states(model, batch_size=None if vmap else batch_size)
     try:

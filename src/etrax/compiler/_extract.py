@@ -515,7 +515,8 @@ def extract(
 
     **Returns:** a `ModuleInfo`.
 
-    **Raises:** `TypeError` for a non-Module, `StateNotInitializedError`,
+    **Raises:** `TypeError` for a non-Module or a `policy` that is not a
+    `CompilePolicy`, `StateNotInitializedError`,
     `InputStructureError` when the inputs do not fit ``update``,
     `ParamStateWriteError` when the step writes a weight, `StateShapeChangedError`
     when it gives a state a new value of another shape or dtype (typically states
@@ -524,6 +525,11 @@ def extract(
     tables in a plain ``brainstate.State`` or as constants), `RecursiveCompileError`
     when called inside a JAX transformation of a model.
     """
+    if policy is not None and not isinstance(policy, CompilePolicy):
+        raise TypeError(
+            f"policy must be an etrax.CompilePolicy (e.g. etrax.CompilePolicy(unroll_limit=4)) "
+            f"or None, got {type(policy).__name__} {policy!r}"
+        )
     retrieved = _check_model(model, args)
     closed, compiled_states, written, out_shapes = _trace(model, args)
     records: list[CompilationRecord] = []

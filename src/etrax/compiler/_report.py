@@ -65,6 +65,10 @@ class CompilationReport:
 
     def to_str(self, level: int = 1) -> str:
         """The report text; ``level=2`` also lists every warning and error."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(
+                f"level must be 1 (the summary) or 2 (every warning too), got {level!r}"
+            )
         g = self.graph
         name = g.module_info.model_name or "model"
         lines = [_RULE, f"etrax graph of {name}", ""]

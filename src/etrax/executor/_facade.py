@@ -11,6 +11,7 @@ from typing import Any
 import brainstate
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from .._errors import StepInputError
 from .._typing import Path, PyTree
@@ -104,6 +105,15 @@ class _Executor(abc.ABC):
         graph = self.graph
         state = state_of(graph)
         if _has_multi(args):
+            for a in args:
+                if not isinstance(a, MultiStepData):
+                    continue
+                leaves = jax.tree.leaves(a.data)
+                if not leaves or any(jnp.ndim(v) == 0 for v in leaves):
+                    raise StepInputError(
+                        "MultiStepData wraps an input with a leading time axis (one slice per "
+                        f"step): each of its leaves needs one, got {a.data!r}"
+                    )
             T = {jax.tree.leaves(a.data)[0].shape[0] for a in args if isinstance(a, MultiStepData)}
             if len(T) != 1:
                 raise StepInputError(f"MultiStepData inputs have different lengths {sorted(T)}")
