@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import brainstate
+import brainunit as bu
 import jax
 import jax.numpy as jnp
 import jaxtyping
@@ -909,3 +910,35 @@ def test_arguments_of_the_wrong_kind_get_a_message_not_an_attribute_or_index_err
         with pytest.raises(etrax.StepInputError, match="leading time axis"):
             executor.solve_h2w_h2h_jacobian(etrax.MultiStepData({}))
     assert len(graph.report().to_str(2)) >= len(graph.report().to_str(1))  # both levels run
+
+
+class CurrentDriven(brainstate.nn.Module):
+    """A membrane driven by a current in nA (brainunit quantities)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(0.5 * jnp.ones((3, 5)) * bu.mV / bu.nA)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.v = brainstate.HiddenState(jnp.zeros(5) * bu.mV)
+
+    def update(self, current: Any) -> Array:
+        self.v.value = 0.8 * self.v.value + bu.math.matmul(current, self.w.value)
+        return bu.get_mantissa(self.v.value)  # type: ignore[no-any-return]
+
+
+def test_a_sequence_of_the_wrong_dtype_or_unit_is_told_so_without_the_axes_hint() -> None:
+    """The time-major hint (``jnp.swapaxes``) is for shapes; a dtype or a unit at fault
+    gets its own fix only, and a unit is named as a unit (before: a tree-structure
+    error about passing a tuple)."""
+    learner = etrax.compile(CurrentDriven(), "d_rtrl", jnp.zeros(3) * bu.nA)
+    targets = jnp.zeros((4, 5))
+    with pytest.raises(etrax.StepInputError, match="cast it first") as err:
+        learner.etrace_grad(jnp.zeros((4, 3), jnp.int32) * bu.nA, targets, mse)
+    assert "time-major" not in str(err.value)
+    with pytest.raises(etrax.StepInputError, match=r"units \['pA'\].*compiled with \['nA'\]"):
+        learner.etrace_grad((jnp.ones((4, 3)) * bu.nA).to(bu.pA), targets, mse)
+    with pytest.raises(etrax.StepInputError, match="time-major"):  # shapes: the hint stays
+        learner.etrace_grad(jnp.zeros((4, 2)) * bu.nA, targets, mse)
+    grads = learner.etrace_grad(jnp.ones((4, 3)) * bu.nA, targets, mse)  # the right input
+    assert set(grads) == {("w",)}

@@ -61,6 +61,7 @@ from ..executor import (
     step_jacobians,
     step_pure,
 )
+from ..executor._state import without_units
 from ._base import (
     EffGrads,
     OnlineAlgorithm,
@@ -1049,13 +1050,30 @@ def check_time_major(graph: ETraceGraph, xs: Any, what: str) -> None:
     """Check one step's slice of the sequence `xs` against the graph's inputs; on a
     mismatch, say that sequences are time-major (`what` names the sequences)."""
     try:
-        fast_check_inputs(graph, as_args(graph, _step_structs(xs)))
+        step = as_args(graph, _step_structs(xs))
+        fast_check_inputs(graph, step)
     except StepInputError as err:
+        if _shapes_fit(graph, xs):  # a dtype or a unit at fault: no hint about the axes
+            raise
         raise StepInputError(
             f"{err} Sequences are time-major: {what} (T, …) with one step's input after "
             "the time axis (for a batched model, (T, B, …)); move a leading batch axis "
             "with jnp.swapaxes(xs, 0, 1)."
         ) from None
+
+
+def _shapes_fit(graph: ETraceGraph, xs: Any) -> bool:
+    """Whether one step's slice of `xs` has the graph's input structure (units aside)
+    and leaf shapes, so that only dtypes or units can differ."""
+    mi = graph.module_info
+    try:
+        step = as_args(graph, _step_structs(xs))
+    except StepInputError:
+        return False
+    leaves, treedef = jax.tree.flatten(step)
+    return without_units(treedef) == without_units(mi.in_tree) and [
+        tuple(leaf.shape) for leaf in leaves
+    ] == [tuple(s) for s, _ in mi.in_avals]
 
 
 def _cast_sequence(graph: ETraceGraph, xs: Any) -> Any:

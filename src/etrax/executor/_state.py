@@ -1,5 +1,6 @@
 """`ModelState`: the values a step reads, as a frozen pytree of arrays keyed by path."""
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -208,11 +209,30 @@ def _check_leaves(
             )
 
 
+_UNIT = re.compile(r"Quantity\[([^\]]*)\]")
+
+
+def units_in(treedef: Any) -> list[str]:
+    """The units of the brainunit quantities in a tree structure, in leaf order."""
+    return _UNIT.findall(str(treedef))
+
+
+def without_units(treedef: Any) -> str:
+    """A tree structure's text with the units of its quantities left out."""
+    return _UNIT.sub("Quantity[]", str(treedef))
+
+
 def check_inputs(graph: ETraceGraph, args: tuple[Any, ...]) -> None:
     """Raise `StepInputError` if `args` do not match the graph's example inputs."""
     mi = graph.module_info
     treedef = jax.tree.structure(args)
     if treedef != mi.in_tree:
+        got_units, want_units = units_in(treedef), units_in(mi.in_tree)
+        if got_units != want_units and without_units(treedef) == without_units(mi.in_tree):
+            raise StepInputError(
+                f"the step input x is in units {got_units}, but the graph was compiled with "
+                f"{want_units}: convert it first (brainunit: x.to(unit) or x.in_unit(unit))."
+            )
         raise StepInputError(
             f"the step input x has structure {treedef}, expected {mi.in_tree}: pass the array "
             "itself for a one-argument update(x), or a tuple for several arguments."
