@@ -225,6 +225,25 @@ def test_pathdict_flattens_alike_with_and_without_keys() -> None:
     assert isinstance(rebuilt, etrax.PathDict) and list(rebuilt) == [("b", 1), ("a",)]
 
 
+def test_pathdict_prints_arrays_by_shape_and_numbers_by_value() -> None:
+    d = etrax.PathDict(
+        [
+            (("w",), {"weight": jnp.ones((2, 3), jnp.float32), "bias": jnp.asarray(0.25)}),
+            (("n",), jnp.asarray(3, jnp.int32)),
+        ]
+    )
+    text = repr(d)
+    assert "'weight': float32[2, 3]" in text
+    assert "'bias': float64(0.25)" in text or "'bias': float32(0.25)" in text
+    assert "('n',): int32(3)" in text
+
+    def traced(x: Any) -> Any:
+        assert repr(etrax.PathDict([(("x",), x)])) == "PathDict({('x',): float32[]})"
+        return x
+
+    jax.jit(traced)(jnp.asarray(1.0, jnp.float32))  # a tracer: no value to show
+
+
 def test_paths_mixing_ints_and_strings() -> None:
     class Layers(brainstate.nn.Module):
         def __init__(self) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 from ._typing import Path
 
@@ -33,9 +34,17 @@ class PathDict(dict[Path, V]):
 
 
 def _short(value: Any) -> str:
+    """An array as its dtype and shape (``float32[3, 4]``); a concrete 0-d array as its
+    value too (``float32(0.0123)``: a printed error or loss shows its number)."""
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
+        if tuple(shape) == () and not isinstance(value, jax.core.Tracer):
+            try:
+                item = np.asarray(value).item()
+            except (TypeError, ValueError):  # a typed PRNG key, a deleted buffer
+                return f"{dtype}[]"
+            return f"{dtype}({item:.6g})" if isinstance(item, float) else f"{dtype}({item!r})"
         return f"{dtype}{list(shape)}"
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{k!r}: {_short(v)}" for k, v in value.items()) + "}"

@@ -123,7 +123,7 @@ class GradientCheck(eqx.Module):
 
     **Arguments:**
 
-    - `algorithm`: the algorithm, as `equinox.tree_pformat` prints it.
+    - `algorithm`: the algorithm, as `equinox.tree_pformat` prints it, on one line.
     - `T`: the sequence length.
     - `window`: the `window` passed to `online_grad`.
     - `rtol`: the tolerance for calling a gradient exact over the sequence.
@@ -449,7 +449,7 @@ def check_gradients(
         t1_unpromised=unpromised,
     )
     return GradientCheck(
-        algorithm=eqx.tree_pformat(algo, short_arrays=True),
+        algorithm=eqx.tree_pformat(algo, short_arrays=True, width=100_000),  # one line
         T=T,
         window=window,
         rtol=rtol,
