@@ -381,6 +381,49 @@ def test_complex_uses_are_reported_and_real_ones_traced() -> None:
     assert len(records) == 2 and all("complex" in r.message for r in records)
 
 
+class ComplexState(brainstate.nn.Module):
+    """A complex diagonal recurrence (untraced: hidden states are traced only when
+    real) driven through a complex weight ``B``, beside a real leaky state."""
+
+    def __init__(self, n_in: int = 3, n: int = 4) -> None:
+        super().__init__()
+        self.n = n
+        real = jnp.dtype(brainstate.environ.dftype())
+        self.cdtype = jnp.complex128 if real == jnp.float64 else jnp.complex64
+        self.B = brainstate.ParamState(
+            jax.lax.complex(_w(15, n_in, n).value, _w(16, n_in, n).value)
+        )
+        self.W = _w(17, n_in, n)
+        self.lam = jnp.exp(jax.lax.complex(jnp.full(n, -0.2), jnp.linspace(0.1, 1.0, n)))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.z = brainstate.HiddenState(jnp.zeros(self.n, self.cdtype))
+        self.h = _zeros(self.n)
+
+    def update(self, x: Array) -> Array:
+        z = self.lam.astype(self.cdtype) * self.z.value + x.astype(self.cdtype) @ self.B.value
+        h = 0.8 * self.h.value + jnp.tanh(x @ self.W.value)
+        self.z.value, self.h.value = z, h
+        return h + jnp.real(z)
+
+
+def test_a_weight_into_an_untraced_carried_state_says_so() -> None:
+    """``B`` reaches only the complex state: its record names that state as carried
+    without a trace (before: "reaches no hidden state ... e.g. a readout"), and every
+    rule's one-step gradient is still exact."""
+    model = ComplexState()
+    graph, state, xs, ts = _setup(model, 1)
+    (rec,) = graph.explain(
+        weight_path=("B",), kind=etrax.DiagnosticKind.RELATION_EXCLUDED_NON_TEMPORAL
+    )
+    assert "reaches [('z',)], which are carried across steps without a trace" in rec.message
+    ref = brainstate_grads(model, state, xs, ts, mse)
+    for name in ("drtrl", "pp-prop", "eprop"):
+        got = _online(graph, ALGOS[name](), state, xs, ts)
+        for p in ref:
+            assert _rel(got[p], ref[p]) < TOL, f"{name}: {p}"
+
+
 def test_linked_groups_are_reported() -> None:
     graph, _, _, _ = _setup(GlobalInhibition(), 1)
     (rec,) = graph.explain(kind=etrax.DiagnosticKind.GROUP_VARSHAPE_CONFLICT)

@@ -541,7 +541,9 @@ def _blocking_facts(ctx: _Context, blocking: list[int]) -> tuple[tuple[str, ...]
     return prims, paths
 
 
-def _excluded_record(ctx: _Context, op: _Op, blocking: list[int]) -> CompilationRecord:
+def _excluded_record(
+    ctx: _Context, op: _Op, blocking: list[int], grouped: set[Path]
+) -> CompilationRecord:
     """The record of an ETP op that forms no relation."""
     jaxpr = ctx.table.jaxpr
     prims, paths = _blocking_facts(ctx, blocking)
@@ -571,12 +573,38 @@ def _excluded_record(ctx: _Context, op: _Op, blocking: list[int]) -> Compilation
             blocking_primitives=prims,
             **common,
         )
+    carried = _carried_reached(ctx, op, grouped)
+    if carried:
+        return record(
+            DiagnosticKind.RELATION_EXCLUDED_NON_TEMPORAL,
+            DiagnosticLevel.INFO,
+            f"{head} reaches no traced hidden state, but it reaches {list(carried)}, which "
+            "are carried across steps without a trace (see their other records, e.g. "
+            f"carried_state_route or hidden_state_not_float); {tail}",
+            carried_paths=carried,
+            **common,
+        )
     return record(
         DiagnosticKind.RELATION_EXCLUDED_NON_TEMPORAL,
         DiagnosticLevel.INFO,
         f"{head} reaches no hidden state: it is a non-temporal weight (e.g. a readout) "
         "and learns from its exact instantaneous gradient.",
         **common,
+    )
+
+
+def _carried_reached(ctx: _Context, op: _Op, grouped: set[Path]) -> tuple[Path, ...]:
+    """The states outside every hidden group (a complex hidden state, a short-term
+    state) that the step reads and whose new value depends on the op's output: the
+    op's effect is carried to the next step without a trace."""
+    reach = forward_closure(ctx.table, [op.y], lambda i: True)
+    return tuple(
+        s.path
+        for s in ctx.minfo.states
+        if s.kind is not StateKind.WEIGHT
+        and s.path not in grouped
+        and any(ctx.table.consumers.get(ctx.table.var(v)) for v in s.invars)
+        and any(isinstance(a, Var) and a in reach for a in ctx.minfo.state_out_atoms(s.path))
     )
 
 
@@ -614,7 +642,8 @@ def _relation(
     blocking = _blocking(ctx, op, connected)
     if not tails:
         if not reasons:
-            records.append(_excluded_record(ctx, op, blocking))
+            grouped = {p for g in groups for p in g.hidden_paths}
+            records.append(_excluded_record(ctx, op, blocking, grouped))
             reasons.append(records[-1].kind)
         return None, records, EtpStatus(None, True, reasons[0], slots)
     if blocking:
