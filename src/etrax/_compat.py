@@ -376,6 +376,14 @@ def derivative_rules_key(jaxpr: Any) -> tuple[Any, ...]:
 
 
 def _rule_key(eqn: Any) -> tuple[Any, ...]:
+    if eqn.primitive.name == "custom_jvp_call":
+        try:  # the rule's own jaxpr, traced once by JAX's memo (cheaper than a pullback)
+            n = len(eqn.invars) - eqn.params["num_consts"]
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*[False] * n)
+            return ("jvp", str(jaxpr), tuple(array_key(c) for c in consts), tuple(out_zeros))
+        except Exception:  # another JAX's internals: the pullback below
+            pass
     avals = [aval_of(v) for v in eqn.invars]
     wrt = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
     outs = [i for i, v in enumerate(eqn.outvars) if jnp.issubdtype(v.aval.dtype, jnp.inexact)]

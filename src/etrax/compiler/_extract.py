@@ -552,6 +552,7 @@ def extract(
         closed,
         [table.ids[v] for v in closed.jaxpr.invars],
         [table.id_of(v) for v in closed.jaxpr.outvars],
+        rules=True,
     )
     return ModuleInfo(
         program=program,

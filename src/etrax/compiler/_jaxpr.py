@@ -36,14 +36,20 @@ class Program:
 
     `input_ids` / `output_ids` name, in the step's `VarId` numbering, the values the
     program reads and produces (an output that is a literal has id `None`).
-    Equality is structural (the printed jaxpr, its constants and its custom derivative
-    rules, `derivative_rules_key`), so two compiles of the same model give equal
-    programs, and a model whose surrogate changed gives another.
+    Equality is structural (the printed jaxpr and its constants), so two compiles of
+    the same model give equal programs. A whole step's program (``rules=True``: the
+    one `extract` traces) also compares its custom derivative rules
+    (`derivative_rules_key`), which its printed jaxpr names but does not show, so a
+    model whose surrogate changed gives another program and so another graph; the
+    programs sliced out of that step are only ever compared inside the graph that
+    holds it, and skip that key (it traces each rule). `rules` may also carry a key
+    already computed, for a program extended from another (`rules_key`).
     """
 
-    __slots__ = ("_key", "closed", "input_ids", "output_ids")
+    __slots__ = ("_key", "_rules", "closed", "input_ids", "output_ids")
 
     _key: tuple[Any, ...] | None
+    _rules: bool | tuple[Any, ...]
 
     closed: Final[ClosedJaxpr]  # type: ignore[misc]
     input_ids: Final[tuple[VarId, ...]]  # type: ignore[misc]
@@ -54,11 +60,23 @@ class Program:
         closed: ClosedJaxpr,
         input_ids: Sequence[VarId],
         output_ids: Sequence[VarId | None],
+        *,
+        rules: bool | tuple[Any, ...] = False,
     ) -> None:
         object.__setattr__(self, "closed", closed)
         object.__setattr__(self, "input_ids", tuple(input_ids))
         object.__setattr__(self, "output_ids", tuple(output_ids))
         object.__setattr__(self, "_key", None)
+        object.__setattr__(self, "_rules", rules)
+
+    def rules_key(self) -> tuple[Any, ...]:
+        """The key of the program's custom derivative rules (empty unless the program
+        was built with ``rules``), computed once."""
+        rules = self._rules
+        if rules is True:
+            rules = derivative_rules_key(self.closed.jaxpr)
+            object.__setattr__(self, "_rules", rules)
+        return () if rules is False else rules
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Program is immutable")
@@ -87,7 +105,7 @@ class Program:
                 tuple(array_key(c) for c in self.closed.consts),
                 self.input_ids,
                 self.output_ids,
-                derivative_rules_key(self.closed.jaxpr),
+                self.rules_key(),
             )
             object.__setattr__(self, "_key", key)
         return key

@@ -70,6 +70,7 @@ def hoist_outputs(minfo: ModuleInfo, var_ids: Sequence[VarId]) -> ModuleInfo:
         ClosedJaxpr(extended, minfo.closed_jaxpr.consts),
         minfo.program.input_ids,
         [*minfo.program.output_ids, *new],
+        rules=minfo.program.rules_key(),  # the same equations: the same rules
     )
     return dataclasses.replace(minfo, program=program, hoisted=(*minfo.hoisted, *new))
 
