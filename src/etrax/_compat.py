@@ -357,11 +357,12 @@ def derivative_rules_key(jaxpr: Any) -> tuple[Any, ...]:
     ``custom_jvp_call`` / ``custom_vjp_call`` equations (a surrogate spike's
     pseudo-derivative), nested jaxprs included. The printed equation names the rule's
     Python function only, so two rules with the same name and other constants (a
-    surrogate's ``alpha``) would print alike; each rule is keyed here by the printed
-    jaxpr of the equation's reverse-mode derivative, traced on abstract values, which
-    shows the rule's arithmetic and constants. A rule that cannot be traced so is
-    keyed by the equation's own identity: never equal to another compile's, which
-    costs a recompile, never a wrong program."""
+    surrogate's ``alpha``) would print alike. A ``custom_jvp`` rule is keyed here by
+    its own jaxpr (JAX traces it once per equation and keeps it), a ``custom_vjp`` rule
+    by the jaxpr of the equation's pullback traced on abstract values: either shows the
+    rule's arithmetic and constants. A rule that cannot be traced so is keyed by the
+    equation's own identity: never equal to another compile's, which costs a
+    recompile, never a wrong program."""
     found: list[Any] = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _CUSTOM_DERIVATIVES:
