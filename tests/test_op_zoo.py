@@ -327,3 +327,52 @@ def test_sparse_pattern_from_bcoo() -> None:
         etrax.ops.SparsePattern.from_bcoo(dense)
     with pytest.raises(ValueError, match="2-D"):
         etrax.ops.SparsePattern.from_bcoo(sparse.BCOO.fromdense(jnp.ones((2, 3, 4))))
+
+
+class ScalarReadIn(brainstate.nn.Module):
+    """One scalar unit driven by ``einsum('i,i->', x, w)``: an einsum with an empty
+    output spec (refused before, although `jnp.einsum` takes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = brainstate.ParamState(jnp.asarray([0.3, -0.2, 0.5], jnp.float64))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.asarray(0.4, jnp.float64))
+
+    def update(self, x: Array) -> Array:
+        self.h.value = 0.7 * self.h.value + jnp.tanh(etrax.einsum("i,i->", x, self.w.value))
+        return self.h.value
+
+
+def test_an_einsum_with_a_scalar_output_is_traced_exactly() -> None:
+    model = ScalarReadIn()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert graph.weight_rules()[("w",)].rule is etrax.WeightRule.TRACED
+    state = etrax.state_of(graph)
+    xs = jax.random.normal(jax.random.key(0), (5, 3), jnp.float64)
+    ts = jax.random.normal(jax.random.key(1), (5,), jnp.float64)
+
+    def loss(y: Array, t: Array) -> Array:
+        return (y - t) ** 2
+
+    def bptt(w: Array, T: int) -> Array:  # the model's recurrence, written out
+        h, total = jnp.asarray(0.4), jnp.asarray(0.0)
+        for t in range(T):
+            h = 0.7 * h + jnp.tanh(jnp.dot(xs[t], w))
+            total = total + loss(h, ts[t])
+        return total
+
+    w0 = state.params[("w",)]
+    checks: list[tuple[int, etrax.OnlineAlgorithm[Any]]] = [
+        (1, etrax.DRTRL()),
+        (1, etrax.PPProp(0.9)),
+        (1, etrax.EProp(0.5)),
+        (5, etrax.DRTRL()),  # a scalar unit: exact over time
+    ]
+    for T, rule in checks:
+        want = jax.grad(bptt)(w0, T)
+        traces = rule.init(graph, state)
+        got, _ = etrax.online_grad(graph, rule, state, traces, xs[:T], ts[:T], loss)
+        np.testing.assert_allclose(np.asarray(got[("w",)]), want, rtol=TOL, atol=1e-13)

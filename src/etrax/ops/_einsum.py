@@ -60,6 +60,8 @@ def parse_einsum(equation: str) -> EinsumSpec:
         )
     xs, ws = ops
     for name, spec in (("x", xs), ("weight", ws), ("output", out)):
+        if name == "output" and not spec:
+            continue  # a scalar output ('i,i->'), as jnp.einsum takes it
         if not spec.isalpha() or not spec.islower():
             raise OpArgumentError(
                 f"einsum equation {equation!r}: the {name} spec {spec!r} must be lowercase "
