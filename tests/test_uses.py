@@ -143,6 +143,12 @@ class SliceFeeds(brainstate.nn.Module):
 # --- the oracle: jax.grad through brainstate's own update ---------------------------------
 
 
+def _complex_dtype() -> Any:
+    """The complex type of brainstate's float precision (complex128 at float64)."""
+    real = jnp.dtype(brainstate.environ.dftype())
+    return jnp.complex128 if real == jnp.float64 else jnp.complex64
+
+
 class ComplexParts(brainstate.nn.Module):
     """A real state driven through complex values: ``z = x W + b`` with a complex bias
     ``b`` and ``u = x B`` with a complex weight ``B``, read through their real and
@@ -154,8 +160,7 @@ class ComplexParts(brainstate.nn.Module):
         super().__init__()
         self.n = n
         self.W = _w(12, n_in, n)
-        real = jnp.dtype(brainstate.environ.dftype())
-        complex_dtype = jnp.complex128 if real == jnp.float64 else jnp.complex64
+        complex_dtype = _complex_dtype()
         re, im = _w(13, n_in, n).value, _w(14, n_in, n).value
         self.B = brainstate.ParamState(jax.lax.complex(re, im).astype(complex_dtype))
         self.b = brainstate.ParamState(jnp.full((n,), 0.1 + 0.2j, complex_dtype))
@@ -388,8 +393,7 @@ class ComplexState(brainstate.nn.Module):
     def __init__(self, n_in: int = 3, n: int = 4) -> None:
         super().__init__()
         self.n = n
-        real = jnp.dtype(brainstate.environ.dftype())
-        self.cdtype = jnp.complex128 if real == jnp.float64 else jnp.complex64
+        self.cdtype = _complex_dtype()
         self.B = brainstate.ParamState(
             jax.lax.complex(_w(15, n_in, n).value, _w(16, n_in, n).value)
         )

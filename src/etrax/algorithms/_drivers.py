@@ -1049,11 +1049,12 @@ def _nested_numbers(tree: Any, leaves: list[Any]) -> bool:
 def check_time_major(graph: ETraceGraph, xs: Any, what: str) -> None:
     """Check one step's slice of the sequence `xs` against the graph's inputs; on a
     mismatch, say that sequences are time-major (`what` names the sequences)."""
+    step: tuple[Any, ...] | None = None
     try:
         step = as_args(graph, _step_structs(xs))
         fast_check_inputs(graph, step)
     except StepInputError as err:
-        if _shapes_fit(graph, xs):  # a dtype or a unit at fault: no hint about the axes
+        if step is not None and _shapes_fit(graph, step):  # a dtype or a unit at fault
             raise
         raise StepInputError(
             f"{err} Sequences are time-major: {what} (T, …) with one step's input after "
@@ -1062,14 +1063,10 @@ def check_time_major(graph: ETraceGraph, xs: Any, what: str) -> None:
         ) from None
 
 
-def _shapes_fit(graph: ETraceGraph, xs: Any) -> bool:
-    """Whether one step's slice of `xs` has the graph's input structure (units aside)
-    and leaf shapes, so that only dtypes or units can differ."""
+def _shapes_fit(graph: ETraceGraph, step: tuple[Any, ...]) -> bool:
+    """Whether one step's arguments have the graph's input structure (units aside) and
+    leaf shapes, so that only dtypes or units can differ."""
     mi = graph.module_info
-    try:
-        step = as_args(graph, _step_structs(xs))
-    except StepInputError:
-        return False
     leaves, treedef = jax.tree.flatten(step)
     return without_units(treedef) == without_units(mi.in_tree) and [
         tuple(leaf.shape) for leaf in leaves

@@ -191,7 +191,7 @@ class ETraceGraph(eqx.Module):
         if kind is not None and not isinstance(kind, DiagnosticKind):
             raise TypeError(f"kind must be an etrax.DiagnosticKind, got {kind!r}")
         mi = self.module_info
-        known = set(mi.paths) | {p for r in self.diagnostics for p in _record_paths(r)}
+        known: set[Path] | None = None  # built when a path is given
         filters: list[tuple[str, object]] = [
             ("weight_path", weight_path),
             ("hidden_path", hidden_path),
@@ -205,6 +205,8 @@ class ETraceGraph(eqx.Module):
                     f"{name} must be a path, a tuple such as {example!r} "
                     f"(graph.module_info.paths lists them), got {given!r}"
                 )
+            if known is None:
+                known = set(mi.paths) | {p for r in self.diagnostics for p in _record_paths(r)}
             if tuple(given) not in known:
                 close = difflib.get_close_matches(
                     str(tuple(given)), [str(p) for p in known], n=3, cutoff=0.5
