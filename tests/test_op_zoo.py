@@ -6,7 +6,7 @@ model ``h ← 0.5 h + op(x)`` D-RTRL equals BPTT at T = 1 and 4 and pp-prop at T
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import brainstate
 import jax
@@ -250,31 +250,45 @@ def test_bad_op_input_is_refused_early() -> None:
 
 class GroupedConv(brainstate.nn.Module):
     """A grouped convolution (which the online rules cannot trace), or one whose output
-    puts the spatial axes in another order than the dimension numbers name them, beside
-    a traced element-wise gain."""
+    puts the spatial axes in another order than the kernel (`layout`, `kernel_order`)
+    or its channels first (`channels_first`), beside a traced element-wise gain."""
+
+    NUMBERS: ClassVar[dict[str, tuple[str, str, str]]] = {
+        "layout": ("NHWC", "HWIO", "NWHC"),  # output (batch, W, H, channels)
+        "kernel_order": ("NHWC", "WHIO", "NHWC"),  # the kernel's spatial axes swapped
+        "channels_first": ("NHWC", "HWIO", "NCHW"),
+    }
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
         self.k = brainstate.ParamState(_rand(1, (3, 2, 4) if kind == "grouped" else (2, 2, 4, 4)))
-        self.g = brainstate.ParamState(_rand(2, (4,)))
+        self.g = brainstate.ParamState(_rand(2, (5,) if kind == "channels_first" else (4,)))
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
-        shape = (2, 6, 4) if self.kind == "grouped" else (2, 5, 5, 4)
+        shape = {"grouped": (2, 6, 4), "channels_first": (2, 4, 5, 5)}.get(self.kind, (2, 5, 5, 4))
         self.h = brainstate.HiddenState(jnp.zeros(shape, jnp.float64))
 
     def update(self, x: Array) -> Array:
         if self.kind == "grouped":
             c = etrax.conv(x, self.k.value, feature_group_count=2)
-        else:  # output (batch, W, H, channels) from input (batch, H, W, channels)
-            numbers = ("NHWC", "HWIO", "NWHC")
+        else:
+            numbers = self.NUMBERS[self.kind]
             c = etrax.conv(x, self.k.value, padding="SAME", dimension_numbers=numbers)
         h = 0.5 * self.h.value + c + etrax.element_wise(self.g.value)
         self.h.value = h
         return h
 
 
-@pytest.mark.parametrize("kind", ["grouped", "layout"])
+CONV_REASONS = {
+    "grouped": "grouped convolutions",
+    "layout": "the output's spatial axes 'WH' against the kernel's 'HW'",
+    "kernel_order": "the output's spatial axes 'HW' against the kernel's 'WH'",
+    "channels_first": "its channel axis last",
+}
+
+
+@pytest.mark.parametrize("kind", list(CONV_REASONS))
 def test_a_conv_the_rules_cannot_trace_learns_instantaneously(kind: str) -> None:
     """A convolution the online rules cannot trace forms no relation: the compiler says
     why (`relation_excluded_unsupported`, naming the condition), its kernel learns from
@@ -290,9 +304,9 @@ def test_a_conv_the_rules_cannot_trace_learns_instantaneously(kind: str) -> None
     assert rules[("k",)].reason is etrax.DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED
     assert rules[("g",)].rule is etrax.WeightRule.TRACED
     (rec,) = graph.explain(kind=etrax.DiagnosticKind.RELATION_EXCLUDED_UNSUPPORTED)
-    assert ("grouped convolutions" if kind == "grouped" else "spatial axes") in rec.message
+    assert CONV_REASONS[kind] in rec.message
     state = etrax.state_of(graph)
-    xs, ts = x[None], jnp.zeros((1, *x.shape[:-1], 4))
+    xs, ts = x[None], jnp.zeros((1, *model.h.value.shape))
     exact, _ = etrax.bptt_grad(graph, state, xs, ts, _mse)
     algos: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9)]
     for algo in algos:

@@ -95,14 +95,24 @@ def _check_traceable(x_ndim: int, k_shape: Shape, params: Params) -> None:
             "with etrax.bptt_grad."
         )
     dn = _dn((1,) * x_ndim, k_shape, params)
-    if tuple(dn.out_spec) != (0, x_ndim - 1, *range(1, x_ndim - 1)):
+    if tuple(dn.out_spec) == (0, x_ndim - 1, *range(1, x_ndim - 1)):
+        return
+    numbers = params["dimension_numbers"]
+    example = default_dimension_numbers(x_ndim - 2)
+    if dn.out_spec[0] != 0 or dn.out_spec[1] != x_ndim - 1:
         raise NotSupportedError(
-            "online algorithms trace convolutions whose output is laid out as the batch axis, "
-            "then the spatial axes in the order the dimension numbers name them, then the "
-            f"channel axis (e.g. {default_dimension_numbers(x_ndim - 2)}); got "
-            f"dimension_numbers={params['dimension_numbers']}. Use that output layout and "
-            "transpose after the op."
+            "online algorithms trace convolutions whose output has its batch axis first and "
+            f"its channel axis last (e.g. {example}); got dimension_numbers={numbers}. Use "
+            "such an output layout and transpose after the op."
         )
+    out_spatial = numbers[2][1:-1]
+    kernel_spatial = "".join(c for c in numbers[1] if c not in "IO")
+    raise NotSupportedError(
+        "online algorithms trace convolutions whose output has its spatial axes in the "
+        f"kernel's order; got dimension_numbers={numbers}: the output's spatial axes "
+        f"{out_spatial!r} against the kernel's {kernel_spatial!r}. Give the kernel (or the "
+        f"output) the other's spatial order (e.g. {example}) and transpose it."
+    )
 
 
 def _patches(x: Array, k_shape: Shape, params: Params) -> Array:
