@@ -1,12 +1,28 @@
 """Counting XLA compilations in tests (JAX's backend-compile monitoring events, which
 also mark a program read back from the persistent compilation cache that `conftest.py`
-shares between the workers: each is a miss of JAX's in-memory caches)."""
+shares between the workers: each is a miss of JAX's in-memory caches), and reading
+the loops of a traced program (`scan_outputs`)."""
 
 import threading
+from typing import Any
 
 import jax
+import jax.extend
 
-__all__ = ["CompileCount"]
+__all__ = ["CompileCount", "scan_outputs"]
+
+
+def scan_outputs(jaxpr: Any, length: int) -> list[tuple[int, ...]]:
+    """The shapes of the stacked outputs of every ``scan`` of `length` steps in
+    `jaxpr`, nested ones included."""
+    shapes: list[tuple[int, ...]] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
+            n_carry = eqn.params["num_carry"]
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars[n_carry:]]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes += scan_outputs(sub, length)
+    return shapes
 
 
 class CompileCount:

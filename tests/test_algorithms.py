@@ -15,6 +15,7 @@ from jaxtyping import Array
 
 import etrax
 
+from .compiles import scan_outputs
 from .models import CATALOGUE, ModelCase, TanhRNN, build
 from .oracles import bptt_grads
 
@@ -568,18 +569,6 @@ def test_a_chunk_weighs_every_slot_in_one_loop(kappa: float | None) -> None:
     assert rel_err(grads, expected) <= 1e-12 and rel_err(new, tr) <= 1e-12
 
 
-def _scan_outputs(jaxpr: Any, length: int) -> list[tuple[int, ...]]:
-    """The shapes of the stacked outputs of every ``scan`` of `length` steps."""
-    shapes: list[tuple[int, ...]] = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
-            n_carry = eqn.params["num_carry"]
-            shapes += [tuple(v.aval.shape) for v in eqn.outvars[n_carry:]]
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            shapes += _scan_outputs(sub, length)
-    return shapes
-
-
 def test_a_chunk_stacks_an_input_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GRU's reset-gate product reads ``[x, h]``, the input of the update gate's
     traced product too: a D-RTRL chunk stacks it once, with the Jacobians, for both
@@ -597,10 +586,14 @@ def test_a_chunk_stacks_an_input_once(monkeypatch: pytest.MonkeyPatch) -> None:
     ts = jax.random.normal(jax.random.PRNGKey(1), (6, *y0.shape))
     algo = etrax.DRTRL(chunk_steps=6)
     traces = algo.init(graph, state)
-    program = jax.make_jaxpr(lambda s: etrax.online_grad(graph, algo, s, traces, xs, ts, mse))(
+
+    def loss(y: Array, target: Array) -> Array:  # a new static argument: a fresh trace
+        return mse(y, target)
+
+    program = jax.make_jaxpr(lambda s: etrax.online_grad(graph, algo, s, traces, xs, ts, loss))(
         state
     )
-    stacked = _scan_outputs(program.jaxpr, 6)
+    stacked = scan_outputs(program.jaxpr, 6)
     assert stacked.count((6, 2, 3 + 4)) == 2  # [x, h] once, and the candidate's [x, r h]
     per_step = _online(etrax.DRTRL(chunk_steps=1), graph, state, xs, ts)
     assert rel_err(_online(algo, graph, state, xs, ts), per_step) <= 1e-12
@@ -623,19 +616,22 @@ def test_small_step_outputs_are_stacked_as_one_array(
     algo = _RULES[rule](6)
     traces = algo.init(graph, state)
 
-    def run() -> Any:
-        return etrax.online_grad(graph, algo, state, traces, xs, ts, mse)
+    def programs() -> tuple[list[tuple[int, ...]], Any]:
+        """The stacked arrays of a fresh trace (a new loss function is a new static
+        argument, so nothing cached is reused) and its result."""
 
-    def stacked() -> list[tuple[int, ...]]:
-        shapes = _scan_outputs(jax.make_jaxpr(run)().jaxpr, 6)
-        return [s for s in shapes if len(s) > 1]  # a stacked array, not the losses
+        def loss(y: Array, target: Array) -> Array:
+            return mse(y, target)
 
-    packed = stacked()
-    packed_grads, packed_aux = run()
+        def run() -> Any:
+            return etrax.online_grad(graph, algo, state, traces, xs, ts, loss)
+
+        shapes = scan_outputs(jax.make_jaxpr(run)().jaxpr, 6)
+        return [s for s in shapes if len(s) > 1], run()  # stacked arrays, not the losses
+
+    packed, (packed_grads, packed_aux) = programs()
     monkeypatch.setattr(etrax.algorithms._drivers, "PACK_MAX_BYTES", 0)
-    jax.clear_caches()  # type: ignore[no-untyped-call]  # the traces above are cached
-    apart = stacked()
-    grads, aux = run()
+    apart, (grads, aux) = programs()
     assert sum(len(s) == 2 for s in packed) >= 1  # one (K, n) vector per step
     assert len(apart) > len(packed)
     assert rel_err(packed_grads, grads) <= 1e-12
