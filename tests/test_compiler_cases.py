@@ -892,3 +892,59 @@ def test_a_stacked_layer_is_marked_as_the_diagonal_approximation() -> None:
 
     assert err(("l1", "fc", "weight")) > 1e-3
     assert err(("l2", "fc", "weight")) < 1e-10
+    assert graph.explain(kind=K.RECURRENT_WEIGHT_ROUTE) == ()  # no weight reads an old h
+
+
+class PlainRNN(brainstate.nn.Module):
+    """``h ← 0.9 h + tanh(x W + h U)``, read out by ``V``: written in plain JAX, the
+    products recognised as weight operations; ``U`` reads the previous ``h``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        keys = jax.random.split(jax.random.PRNGKey(5), 3)
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(keys[0], (3, 4)))
+        self.U = brainstate.ParamState(0.5 * jax.random.normal(keys[1], (4, 4)))
+        self.V = brainstate.ParamState(0.5 * jax.random.normal(keys[2], (4, 2)))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((4,)))
+
+    def update(self, x: Any) -> Any:
+        h = 0.9 * self.h.value + jnp.tanh(x @ self.W.value + self.h.value @ self.U.value)
+        self.h.value = h
+        out: Any = h @ self.V.value
+        return out
+
+
+def test_a_recurrent_weight_is_marked_as_the_diagonal_approximation() -> None:
+    """A weight that reads the group's previous values (``U h``) is a boundary of the
+    transition: the route through it is not in `D`, so the traces of every weight
+    traced into the group miss it. The compiler says so (`recurrent_weight_route`,
+    information, naming ``U``'s operation and both traced weights), the report marks
+    both, and indeed D-RTRL differs from BPTT for both over several steps (it equals
+    BPTT at T = 1). Before, the report listed them as traced with no remark."""
+    model, x = build(PlainRNN)
+    graph = etrax.compile_etrace_graph(model, x)
+    (rec,) = graph.explain(kind=K.RECURRENT_WEIGHT_ROUTE)
+    assert rec.level is etrax.DiagnosticLevel.INFO
+    assert rec.context_dict["weight_paths"] == (("W",), ("U",))
+    assert rec.context_dict["hidden_group_indices"] == (0,)
+    assert "PlainRNN.update" in rec.message and rec.message.count("test_compiler_cases") == 1
+    lines = str(graph.report()).splitlines()
+    for name in ("W", "U"):
+        (line,) = [ln for ln in lines if f"('{name}',) via" in ln]
+        assert "see recurrent_weight_route" in line
+    assert graph.weight_rules()[("V",)].rule is etrax.WeightRule.INSTANTANEOUS
+    state = etrax.state_of(graph).replace_hidden({("h",): jnp.array([0.3, -0.5, 0.8, 0.1])})
+    rule = etrax.DRTRL()
+    for T, exact_expected in ((1, True), (6, False)):
+        xs = jax.random.normal(jax.random.PRNGKey(0), (T, 3))
+        targets = jax.random.normal(jax.random.PRNGKey(1), (T, 2))
+        online, _ = etrax.online_grad(
+            graph, rule, state, rule.init(graph, state), xs, targets, _mse
+        )
+        exact = bptt_grads(model, state, xs, targets, _mse)
+        for path in (("W",), ("U",)):
+            pairs = zip(jax.tree.leaves(online[path]), jax.tree.leaves(exact[path]), strict=True)
+            gap = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs)
+            assert (gap <= 1e-10) == exact_expected, (T, path, gap)

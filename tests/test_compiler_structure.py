@@ -46,7 +46,11 @@ def test_seed_example_gru() -> None:
     assert [r.weight_path for r in excluded] == [("Wr", "weight")]
     assert all(r.kind is K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT for r in excluded)
     assert graph.explain(weight_path=("Wz", "weight"))[0].kind is K.RELATION_INCLUDED
-    assert len(graph.explain(hidden_path=("h",))) == 2
+    assert [r.kind for r in graph.explain(hidden_path=("h",))] == [
+        K.RELATION_INCLUDED,
+        K.RELATION_INCLUDED,
+        K.RECURRENT_WEIGHT_ROUTE,  # the gates read [x, h]: the diagonal approximation
+    ]
     assert graph.explain(weight_path=("Wr", "weight"), kind=K.RELATION_INCLUDED) == ()
     assert len(graph.explain()) == len(graph.diagnostics)
     with pytest.raises(KeyError, match=r"Did you mean \('Wr', 'weight'\)"):
@@ -71,7 +75,12 @@ def test_gru_structure() -> None:
         K.RELATION_INCLUDED,
         K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT,
         K.RELATION_INCLUDED,
+        K.RECURRENT_WEIGHT_ROUTE,
     ]
+    (route,) = graph.explain(kind=K.RECURRENT_WEIGHT_ROUTE)
+    assert route.level is etrax.DiagnosticLevel.INFO
+    assert route.context_dict["weight_paths"] == (("Wz", "weight"), ("Wh", "weight"))
+    assert route.context_dict["hidden_group_indices"] == (0,)
     w2w = graph.explain(kind=K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT)[0]
     assert w2w.context_dict["blocking_weight_paths"] == (("Wh", "weight"),)
     rel = graph.hidden_param_op_relations[0]
@@ -128,6 +137,8 @@ def test_stacked_gru_with_readout() -> None:
         (K.RELATION_EXCLUDED_WEIGHT_TO_WEIGHT, ("l2", "Wr", "weight")),
         (K.RELATION_INCLUDED, ("l2", "Wh", "weight")),
         (K.RELATION_EXCLUDED_NON_TEMPORAL, ("out", "weight")),
+        (K.RECURRENT_WEIGHT_ROUTE, ("l1", "Wz", "weight")),  # each cell's gates read its h
+        (K.RECURRENT_WEIGHT_ROUTE, ("l2", "Wz", "weight")),
         (K.CROSS_GROUP_ROUTE, ("l1", "Wz", "weight")),  # layer 1 feeds layer 2's memory
     ]
     (cross,) = graph.explain(kind=K.CROSS_GROUP_ROUTE)

@@ -51,6 +51,7 @@ class DiagnosticKind(enum.StrEnum):
     HIDDEN_STATE_NOT_FLOAT = "hidden_state_not_float"
     HIDDEN_GROUP_NOT_READ = "hidden_group_not_read"
     CROSS_GROUP_ROUTE = "cross_group_route"
+    RECURRENT_WEIGHT_ROUTE = "recurrent_weight_route"
     # states and structure
     STATE_MISMATCH = "state_mismatch"
     DYNAMIC_STATE = "dynamic_state"

@@ -929,6 +929,7 @@ def _later_route_records(
                 hidden_group_indices=tuple(via),
             )
         )
+    out.extend(_recurrent_weight_records(ctx, groups, traced_into))
     for g in groups:
         if not traced_into[g.index]:
             continue
@@ -960,6 +961,58 @@ def _later_route_records(
             )
         )
     return out
+
+
+def _recurrent_weight_records(
+    ctx: _Context, groups: Sequence[HiddenGroup], traced_into: Mapping[int, tuple[Path, ...]]
+) -> list[CompilationRecord]:
+    """Information per hidden group with traced weights whose *previous* values a weight
+    operation reads as data (a recurrent weight: a vanilla RNN's ``U h``, a GRU's gates
+    on ``[x, h]``) when that operation's output reaches a group's new values: `D` holds
+    only the element-wise part of the transition, so the traces of the weights traced
+    into the group miss the route through the weight (D-RTRL's diagonal approximation;
+    exact at T = 1). Data that read the group only through its new values (a stack of
+    layers) are `CROSS_GROUP_ROUTE`'s business, not this record's."""
+    var = ctx.table.var
+    jaxpr = ctx.table.jaxpr
+    old = {var(v): g.index for g in groups for v in g.hidden_invars}
+    new = {var(v) for g in groups for v in g.hidden_outvars if v is not None}
+    ends = [v for v in new if _is_float(v)]
+    into_hidden = _differentiable_ancestors(ctx, ends, set()) if ends else set()
+    found: dict[int, list[str]] = {}
+    for i in ctx.an.etp_equations:
+        eqn = jaxpr.eqns[i]
+        spec = etp_spec(eqn.primitive)
+        if spec is None or spec.x_index is None:
+            continue
+        x = eqn.invars[spec.x_index]
+        if not isinstance(x, Var) or not _is_float(x):
+            continue
+        if not any(y in into_hidden for y in eqn.outvars if not isinstance(y, DropVar)):
+            continue
+        read = _differentiable_ancestors(ctx, [x], new)
+        for g in sorted({old[v] for v in read if v in old}):
+            if traced_into.get(g):
+                found.setdefault(g, []).append(equation_location(eqn))
+    return [
+        record(
+            DiagnosticKind.RECURRENT_WEIGHT_ROUTE,
+            DiagnosticLevel.INFO,
+            f"hidden group {g} ({list(groups[g].hidden_paths)}) is read at its previous "
+            f"values by the weight operation(s) at {list(dict.fromkeys(where))}, whose output "
+            "reaches the new hidden values: a recurrent weight. D holds only the element-wise "
+            "part of the transition, so the traces of the weights traced into group "
+            f"{g} ({list(traced_into[g])}) miss the route through that weight: for them "
+            "D-RTRL is the diagonal approximation (exact at T = 1). OSTLRecurrent, SnAp or "
+            "UORO follow more of the transition; online_grad(..., window=k) is exact over "
+            "k steps.",
+            weight_path=traced_into[g][0],
+            hidden_paths=groups[g].hidden_paths,
+            weight_paths=traced_into[g],
+            hidden_group_indices=(g,),
+        )
+        for g, where in found.items()
+    ]
 
 
 def _plain_use_records(uses: Sequence[ParamUse]) -> list[CompilationRecord]:

@@ -204,6 +204,13 @@ class CompilationReport:
                     f"diagonal approximation: its group feeds hidden groups {list(indices[1:])}; "
                     "see cross_group_route"
                 )
+        for r in g.explain(kind=DiagnosticKind.RECURRENT_WEIGHT_ROUTE):
+            indices = context(r, "hidden_group_indices")
+            if indices and indices[0] in groups:
+                notes.append(
+                    "diagonal approximation: a weight reads its group's previous values; see "
+                    "recurrent_weight_route"
+                )
         return notes
 
     def _parameter_lines(self) -> list[str]:
