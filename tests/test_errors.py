@@ -1,5 +1,6 @@
 """Bad input gets a typed error with an actionable message, before any deep JAX trace."""
 
+import inspect
 from typing import Any
 
 import brainstate
@@ -103,6 +104,41 @@ def test_example_inputs_do_not_match_update(args: tuple[Any, ...], pattern: str)
     model, _ = build(etrax.nn.GRUCell, 3, 4)
     with pytest.raises(etrax.InputStructureError, match=pattern):
         etrax.compile_etrace_graph(model, *args)
+
+
+class _MixedIndexTypes(brainstate.nn.Module):
+    """A delay line written at a 32-bit step counter next to a 64-bit literal index: a
+    bug on one line of `update`, not in the example inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = etrax.nn.Linear(3, 4)
+
+    def init_state(self, batch_size: int | None = None, **kwargs: Any) -> None:
+        self.buf = brainstate.HiddenState(jnp.zeros((5, 4)))
+        self.k = brainstate.ShortTermState(jnp.array(0, jnp.int32))
+
+    def update(self, x: Array) -> Array:
+        start = (self.k.value, jnp.int64(0))  # int32 beside int64: JAX refuses the pair
+        self.buf.value = jax.lax.dynamic_update_slice(0.9 * self.buf.value, self.fc(x)[None], start)
+        self.k.value = (self.k.value + 1) % 5
+        out: Array = self.buf.value[0]
+        return out
+
+
+def test_a_failing_line_of_update_is_named() -> None:
+    """A `TypeError` raised by a line of `update` itself is reported with that line
+    (file and number), and the advice says to fix it there before it suggests the
+    example inputs. Before, the message only blamed the inputs."""
+    model = _MixedIndexTypes()
+    brainstate.nn.init_all_states(model)
+    with pytest.raises(etrax.InputStructureError, match="integers of the same type") as info:
+        etrax.compile_etrace_graph(model, jnp.ones(3))
+    message = str(info.value)
+    line = inspect.getsourcelines(_MixedIndexTypes.update)[1] + 2
+    assert f"test_errors.py:{line} (update)" in message
+    assert "fix it there; otherwise check that the example inputs" in message
+    assert "etrax/" not in message.split("It was raised at")[1]
 
 
 class _NeedsValues(brainstate.nn.Module):

@@ -7,6 +7,8 @@ brainstate state is written.
 """
 
 import inspect
+import os
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -246,6 +248,27 @@ _VALUE_DEPENDENT = (
 `jax.errors.TracerBoolConversionError`, is a `ConcretizationTypeError`)."""
 
 
+_ETRAX = os.path.dirname(__file__)  # etrax/compiler: its parent is etrax
+_LIBRARIES = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (jax.__file__, np.__file__, brainstate.__file__, inspect.__file__, _ETRAX)
+)
+"""Folders whose frames are not the user's code: JAX, NumPy, brainstate, the standard
+library and etrax itself."""
+
+
+def _user_frame(err: BaseException) -> str | None:
+    """``file:line (function)`` of the innermost frame of `err`'s traceback outside the
+    libraries (`_LIBRARIES`, site-packages): the line of the model that failed."""
+    frames = traceback.extract_tb(err.__traceback__)
+    for frame in reversed(frames):
+        name = os.path.abspath(frame.filename)
+        if name.startswith(_LIBRARIES) or "site-packages" in name or name.startswith("<"):
+            continue
+        return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return None
+
+
 def _trace(
     model: brainstate.nn.Module, args: tuple[Any, ...]
 ) -> tuple[ClosedJaxpr, States, set[brainstate.State[Any]], Any]:
@@ -280,9 +303,17 @@ def _trace(
             "construction)."
         ) from err
     except (TypeError, ValueError) as err:
+        where = _user_frame(err)
+        line = (
+            f" It was raised at {where}: if that line's own values are at fault (an index "
+            "of another integer type, an argument of the wrong kind), fix it there;"
+            " otherwise check"
+            if where
+            else " Check"
+        )
         raise InputStructureError(
             f"Tracing {type(model).__name__}.update failed for example inputs "
-            f"({_describe_args(args)}): {type(err).__name__}: {str(err).rstrip('.')}. Check "
+            f"({_describe_args(args)}): {type(err).__name__}: {str(err).rstrip('.')}.{line} "
             "that the example inputs have the structure, shapes and dtypes update() "
             "expects (and that the model's states were initialised with the matching batch "
             "size)."
