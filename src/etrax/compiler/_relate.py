@@ -975,25 +975,31 @@ def _recurrent_weight_records(
     layers) are `CROSS_GROUP_ROUTE`'s business, not this record's."""
     var = ctx.table.var
     jaxpr = ctx.table.jaxpr
-    old = {var(v): g.index for g in groups for v in g.hidden_invars}
     new = {var(v) for g in groups for v in g.hidden_outvars if v is not None}
     ends = [v for v in new if _is_float(v)]
     into_hidden = _differentiable_ancestors(ctx, ends, set()) if ends else set()
+    # the groups whose previous values each float value depends on, differentiably and
+    # not through a group's new values (one forward pass, in equation order)
+    reads: dict[Var, frozenset[int]] = {
+        var(v): frozenset({g.index}) for g in groups for v in g.hidden_invars
+    }
+    etp = set(ctx.an.etp_equations)
     found: dict[int, list[str]] = {}
-    for i in ctx.an.etp_equations:
-        eqn = jaxpr.eqns[i]
-        spec = etp_spec(eqn.primitive)
-        if spec is None or spec.x_index is None:
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in etp and any(y in into_hidden for y in eqn.outvars if not isinstance(y, DropVar)):
+            spec = etp_spec(eqn.primitive)
+            x = None if spec is None or spec.x_index is None else eqn.invars[spec.x_index]
+            for g in sorted(reads.get(x, ())) if isinstance(x, Var) else ():
+                if traced_into.get(g):
+                    found.setdefault(g, []).append(equation_location(eqn))
+        if eqn.primitive.name == "stop_gradient":
             continue
-        x = eqn.invars[spec.x_index]
-        if not isinstance(x, Var) or not _is_float(x):
-            continue
-        if not any(y in into_hidden for y in eqn.outvars if not isinstance(y, DropVar)):
-            continue
-        read = _differentiable_ancestors(ctx, [x], new)
-        for g in sorted({old[v] for v in read if v in old}):
-            if traced_into.get(g):
-                found.setdefault(g, []).append(equation_location(eqn))
+        sources = [reads[a] for a in eqn.invars if isinstance(a, Var) and a in reads]
+        if sources:
+            union = frozenset().union(*sources)
+            for y in eqn.outvars:
+                if not isinstance(y, DropVar) and _is_float(y) and y not in new:
+                    reads[y] = union
     return [
         record(
             DiagnosticKind.RECURRENT_WEIGHT_ROUTE,
