@@ -101,7 +101,9 @@ def run(argv: Sequence[str] = ()) -> str:
                 print(f"    {method:8s} {variant:10s} first gradient {seconds:6.2f} s", flush=True)
         programs: dict[tuple[Lib, str], Program] = {}
         for method in METHODS:
-            programs["etrax", f"{method}:default"] = build_program("etrax", method, cfg, data)
+            programs["etrax", f"{method}:default"] = build_program(
+                "etrax", method, cfg, data, compiler_options=None
+            )
             programs["etrax", f"{method}:options"] = build_program(
                 "etrax", method, cfg, data, compiler_options=options
             )

@@ -481,10 +481,11 @@ def build_program(
     cfg: Config,
     data: Data,
     chunk_steps: int | None = None,
-    compiler_options: etrax.CompilerOptions | None = None,
+    compiler_options: etrax.CompilerOptions | Literal["auto"] | None = "auto",
 ) -> Program:
     """The compiled program of one (library, method) on fresh weights (etrax's online
-    rules with `chunk_steps` and XLA's `compiler_options`)."""
+    rules with `chunk_steps` and XLA's `compiler_options`: ``"auto"``, as
+    `etrax.compile`'s default, picks `etrax.algorithms.default_compiler_options`)."""
     if method in ("forward", "BPTT"):
         step = PureStep(_initialised(lib, cfg), data.x0)
         if method == "forward":
@@ -505,9 +506,12 @@ def build_program(
             return grads, aux["state"].hidden, aux["state"].other, aux["traces"]
 
         traces = algo.init(graph, state)
-        program = _aot(
-            online, state, traces, data.xs, data.targets, compiler_options=compiler_options
+        options = (
+            etrax.algorithms.default_compiler_options(graph)
+            if compiler_options == "auto"
+            else compiler_options
         )
+        program = _aot(online, state, traces, data.xs, data.targets, compiler_options=options)
         program.trace_bytes = sum(int(np.asarray(a).nbytes) for a in jax.tree.leaves(traces))
         T = int(data.xs.shape[0])
         program.chunk = min(T, chunk_length(T, algo.chunk_for(graph)))
@@ -580,7 +584,7 @@ def online_call(
     cfg: Config,
     model: brainstate.nn.Module,
     data: Data,
-    compiler_options: etrax.CompilerOptions | None = None,
+    compiler_options: etrax.CompilerOptions | Literal["auto"] | None = "auto",
 ) -> Callable[[Array], Any]:
     """``xs ↦ gradients`` of an online `method` through `lib`'s user path, built from
     `model` (etrax: `etrax.compile` and `learner.etrace_grad`, which also reads the
@@ -615,7 +619,7 @@ def first_call(
     method: str,
     cfg: Config,
     data: Data,
-    compiler_options: etrax.CompilerOptions | None = None,
+    compiler_options: etrax.CompilerOptions | Literal["auto"] | None = "auto",
 ) -> FirstCall:
     """Each library's user path from a model with weights but no states yet, from
     cleared JAX caches: no build reuses a trace or an XLA program of an earlier one

@@ -818,6 +818,79 @@ def test_compiler_options_are_checked_by_value_and_type() -> None:
         )
 
 
+ONE_SAMPLE = dict(etrax.algorithms.ONE_SAMPLE_CPU_OPTIONS)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "vmap", "example", "want"),
+    [
+        (None, False, (3,), ONE_SAMPLE),  # no batch
+        (1, False, (1, 3), ONE_SAMPLE),  # a batch of one
+        (2, False, (2, 3), None),  # a batch: XLA's defaults
+        (1, True, (1, 3), ONE_SAMPLE),  # one sample mapped once
+        (2, True, (2, 3), None),  # one sample's graph mapped over a batch of 2
+    ],
+)
+def test_auto_compiler_options_pick_the_older_emitters_on_one_sample_on_the_cpu(
+    batch_size: int | None, vmap: bool, example: tuple[int, ...], want: dict[str, bool] | None
+) -> None:
+    """``compiler_options="auto"`` (the default) gives a model run on one sample on the
+    CPU XLA:CPU's older element-wise emitters, and a batched one (or one sample's graph
+    mapped over a batch) XLA's defaults; `default_compiler_options` says the same."""
+    brainstate.random.seed(0)
+    learner = etrax.compile(
+        LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros(example), batch_size=batch_size, vmap=vmap
+    )
+    got = learner.compiler_options
+    assert (None if got is None else dict(got)) == want
+    samples = batch_size if vmap and batch_size else 1
+    direct = etrax.algorithms.default_compiler_options(learner.graph, samples)
+    assert (None if direct is None else dict(direct)) == want
+
+
+def test_auto_compiler_options_are_xla_defaults_off_the_cpu_or_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On another backend, "auto" leaves XLA's defaults; ``None`` asks for XLA's
+    defaults on one sample too; another string is a `TypeError` that names "auto"."""
+    brainstate.random.seed(0)
+    model = LeakyTanhReadout(3, 5)
+    plain = etrax.compile(model, "d_rtrl", jnp.zeros(3), compiler_options=None)
+    assert plain.compiler_options is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert etrax.compile(model, "d_rtrl", jnp.zeros(3)).compiler_options is None
+    monkeypatch.undo()
+    with typechecks_paused(), pytest.raises(TypeError, match="'auto'"):
+        etrax.compile(model, "d_rtrl", jnp.zeros(3), compiler_options="fast")  # type: ignore[arg-type]
+
+
+def test_auto_compiler_options_keep_the_gradients_on_one_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One sample: the learner compiled with the "auto" options gives the gradients of
+    brainstate's own update under `jax.grad` (D-RTRL is exact on this model), and
+    every one of its programs is jitted with those options."""
+    seen: list[object] = []
+    jit = jax.jit
+
+    def recording_jit(fn: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("compiler_options"))
+        return jit(fn, **kwargs)
+
+    brainstate.random.seed(0)
+    model = LeakyTanhReadout(3, 5)
+    learner = etrax.compile(model, etrax.DRTRL(), jnp.zeros(3))
+    xs = jax.random.normal(jax.random.key(0), (T, 3))
+    ys = jax.random.normal(jax.random.key(1), (T, 2))
+    want = bptt_grads(model, etrax.state_of(learner.graph), xs, ys, mse)
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    got = learner.etrace_grad(xs, ys, mse)
+    monkeypatch.undo()
+    assert seen == [ONE_SAMPLE], seen
+    for p in want:
+        assert rel(got[p], want[p]) < TOL, p
+
+
 def test_a_new_rule_assigned_to_the_learner_is_the_one_that_runs() -> None:
     """Assigning ``learner.algorithm`` drops the programs built for the old rule (they
     closed over it: the old rule ran, silently) and starts fresh traces."""

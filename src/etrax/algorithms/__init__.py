@@ -38,7 +38,13 @@ from ._drivers import (
 )
 from ._drtrl import ParamTraces, PerParameter
 from ._evaluate import Evaluation, evaluate
-from ._learner import CompilerOptions, OnlineLearner, compile
+from ._learner import (
+    ONE_SAMPLE_CPU_OPTIONS,
+    CompilerOptions,
+    OnlineLearner,
+    compile,
+    default_compiler_options,
+)
 from ._pp import InputOutput, IOTraces
 from ._presets import (
     DNI,
@@ -62,6 +68,7 @@ __all__ = [
     "DNI",
     "DRTRL",
     "ESDRTRL",
+    "ONE_SAMPLE_CPU_OPTIONS",
     "PACK_MAX_BYTES",
     "PRESETS",
     "UORO",
@@ -110,6 +117,7 @@ __all__ = [
     "compare_gradients",
     "compile",
     "default_chunk_steps",
+    "default_compiler_options",
     "evaluate",
     "online_evolve",
     "online_grad",

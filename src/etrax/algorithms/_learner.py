@@ -48,10 +48,18 @@ from ._drivers import (
     online_grad,
     rejoin,
 )
+from ._plan import plan_of
 from ._presets import by_name
 from ._rule import LearningRule
 
-__all__ = ["CompilerOptions", "LossOutput", "OnlineLearner", "compile"]
+__all__ = [
+    "ONE_SAMPLE_CPU_OPTIONS",
+    "CompilerOptions",
+    "LossOutput",
+    "OnlineLearner",
+    "compile",
+    "default_compiler_options",
+]
 
 OptT = TypeVar("OptT")
 Grads: TypeAlias = PathDict[ArrayTree]
@@ -85,7 +93,40 @@ def _algorithm(algorithm: object) -> OnlineAlgorithm[Any]:
     )
 
 
-def checked_compiler_options(options: CompilerOptions | None) -> CompilerOptions | None:
+ONE_SAMPLE_CPU_OPTIONS: CompilerOptions = types.MappingProxyType(
+    {"xla_cpu_use_fusion_emitters": False}
+)
+"""What `default_compiler_options` picks for a model that runs on one sample on the
+CPU: XLA:CPU's older element-wise emitters."""
+
+
+def default_compiler_options(graph: ETraceGraph, samples: int = 1) -> CompilerOptions | None:
+    """The XLA options `etrax.compile` gives a learner of `graph` by default
+    (``compiler_options="auto"``): `ONE_SAMPLE_CPU_OPTIONS` when the default JAX
+    backend is the CPU and every traced op runs on one sample (no batch, or a batch
+    of 1, in the graph, and ``samples = 1`` mapped over it with ``vmap=True``);
+    otherwise `None`, XLA's defaults.
+
+    On one sample every array of a step is a vector, XLA:CPU's newer fusion emitters
+    buy nothing there, and their compile costs about twice the older ones' per kernel:
+    measured on a 2-core CPU over GRU, LSTM, LIF and ALIF models of 128 to 2,048
+    units (D-RTRL, pp-prop, e-prop), the first gradient came 25–45 % sooner and the
+    steps ran as fast (0.88–1.18× per step, no trend). With a batch the older code
+    for ``tanh`` and sigmoids is slower (a GRU at batch 32: up to 1.23× per step), so
+    batched models keep XLA's defaults. Options this XLA does not know give `None`.
+    Pass the result to your own ``jax.jit(..., compiler_options=...)`` around
+    `etrax.online_grad` to compile as `etrax.compile` does.
+    """
+    if samples != 1 or jax.default_backend() != "cpu":
+        return None
+    slots = plan_of(graph).slots
+    if not slots or any(slot.nb > 1 for slot in slots):
+        return None
+    options = tuple(sorted((n, type(v).__name__, v) for n, v in ONE_SAMPLE_CPU_OPTIONS.items()))
+    return None if _refused_by_xla(options) is not None else ONE_SAMPLE_CPU_OPTIONS
+
+
+def checked_compiler_options(options: object) -> CompilerOptions | None:
     """`options` as a read-only mapping, once XLA has accepted them: a tiny program is
     compiled with them (about 20 ms, once per set of options), so that an unknown
     option or a value of the wrong type fails here, with the option named, rather
@@ -96,11 +137,12 @@ def checked_compiler_options(options: CompilerOptions | None) -> CompilerOptions
     """
     if options is None:
         return None
-    given: object = options  # checked as a user without runtime type checks passes it
+    given = options  # checked as a user without runtime type checks passes it
     if not isinstance(given, Mapping):
         raise TypeError(
             "compiler_options must be a mapping from XLA option names to values, e.g. "
-            f"{{'xla_cpu_use_fusion_emitters': False}}, got {given!r}"
+            "{'xla_cpu_use_fusion_emitters': False} (or, for etrax.compile, 'auto' or "
+            f"None), got {given!r}"
         )
     items: list[tuple[str, str | bool | int | float]] = []
     for name, value in given.items():
@@ -1058,7 +1100,7 @@ def compile(
     policy: CompilePolicy | None = None,
     seed: int | None = None,
     verbose: bool = False,
-    compiler_options: CompilerOptions | None = None,
+    compiler_options: CompilerOptions | Literal["auto"] | None = "auto",
 ) -> OnlineLearner:
     """Initialise a model's states, compile its graph and return an `OnlineLearner`.
 
@@ -1084,12 +1126,14 @@ def compile(
       weights, call ``brainstate.random.seed(s)`` before building the model.
     - `verbose`: print the compilation report.
     - `compiler_options`: XLA options for every program the learner compiles (passed
-      to `jax.jit`), checked here. On the CPU, ``{"xla_cpu_use_fusion_emitters":
-      False}`` compiles the online program in about half the time, and its step then
-      runs slower where ``tanh`` and sigmoids dominate the element-wise work (GRU at
-      batch 32: up to 1.23×) and mostly faster elsewhere (LIF, ALIF, LSTM); see
-      "Shorter compiles on the CPU" in the benchmarks page. `None` (the default):
-      XLA's defaults.
+      to `jax.jit`), checked here. ``"auto"`` (the default): `default_compiler_options`
+      of the graph, which on the CPU are ``{"xla_cpu_use_fusion_emitters": False}``
+      for a model run on one sample and XLA's defaults otherwise. `None`: XLA's
+      defaults. On the CPU, ``{"xla_cpu_use_fusion_emitters": False}`` compiles the
+      online program in about half the time; with a batch its step then runs slower
+      where ``tanh`` and sigmoids dominate the element-wise work (GRU at batch 32: up
+      to 1.23×) and mostly faster elsewhere (LIF, ALIF, LSTM); see "Shorter compiles
+      on the CPU" in the benchmarks page.
 
     **Raises:** `TypeError` for an unknown algorithm, a `vmap` that is not a bool or
     `compiler_options` that are not a mapping of names to values, `ValueError` for
@@ -1098,7 +1142,8 @@ def compile(
     batch axis.
     """
     algo = _algorithm(algorithm)
-    options = checked_compiler_options(compiler_options)
+    auto = isinstance(compiler_options, str) and compiler_options == "auto"
+    options = None if auto else checked_compiler_options(compiler_options)
     if not isinstance(vmap, bool):
         raise TypeError(f"vmap must be True or False, got {vmap!r}")
     if vmap:
@@ -1132,4 +1177,6 @@ def compile(
     if verbose:
         print(CompilationReport(graph))
     check_relations(graph, algo.name)
+    if auto:
+        options = default_compiler_options(graph, batch_size if vmap and batch_size else 1)
     return OnlineLearner(model, algo, graph, batch_size, vmap, options)
