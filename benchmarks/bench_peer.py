@@ -1195,8 +1195,10 @@ machines are noisy: compare ratios within this table, not absolute times across 
   `compile(model, D_RTRL | pp_prop(decay_or_rank={DECAY}) | EProp(kappa_filter_decay={KAPPA}))`
   and `etrace_grad`. × fwd is relative to the same library's forward step.
 - **Per-step time**: the AOT-compiled executable of one T-step call (no Python
-  dispatch), divided by T. **Scratch**: XLA's `memory_analysis().temp_size_in_bytes` of
-  that executable (arguments, outputs and trace state excluded).
+  dispatch), divided by T; etrax's online programs with its learner's default
+  options (`etrax.algorithms.default_compiler_options`). **Scratch**: XLA's
+  `memory_analysis().temp_size_in_bytes` of that executable (arguments, outputs and
+  trace state excluded).
 - **1st grad**: each library's user path from a model with weights: graph compile,
   tracing, XLA compile and the first call returning gradients (etrax:
   `etrax.compile` + `learner.etrace_grad`; braintrace: `braintrace.compile` +
