@@ -110,8 +110,9 @@ def default_compiler_options(graph: ETraceGraph, samples: int = 1) -> CompilerOp
     On one sample every array of a step is a vector, XLA:CPU's newer fusion emitters
     buy nothing there, and their compile costs about twice the older ones' per kernel:
     measured on a 2-core CPU over GRU, LSTM, LIF and ALIF models of 128 to 2,048
-    units (D-RTRL, pp-prop, e-prop), the first gradient came 25–45 % sooner and the
-    steps ran as fast (0.88–1.18× per step, no trend). With a batch the older code
+    units (D-RTRL, pp-prop, e-prop), the first gradient came 25–45 % sooner at 128–512
+    units (level at 2,048) and the steps ran as fast (0.78–1.18× per step over two
+    runs of 18 and 24 configurations, geometric means 0.98 and 0.99). With a batch the older code
     for ``tanh`` and sigmoids is slower (a GRU at batch 32: up to 1.23× per step), so
     batched models keep XLA's defaults. Options this XLA does not know give `None`.
     Pass the result to your own ``jax.jit(..., compiler_options=...)`` around
@@ -137,7 +138,7 @@ def checked_compiler_options(options: object) -> CompilerOptions | None:
     """
     if options is None:
         return None
-    given = options  # checked as a user without runtime type checks passes it
+    given = options  # typed `object`: checked as a user without runtime type checks passes it
     if not isinstance(given, Mapping):
         raise TypeError(
             "compiler_options must be a mapping from XLA option names to values, e.g. "
