@@ -733,13 +733,9 @@ def test_an_all_zero_mask_is_not_a_silent_network_and_losses_are_bounded(
     assert len(learner._weighted_losses) == _learner.MAX_PROGRAMS
 
 
-def test_compiler_options_reach_every_program_and_keep_the_gradients(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """`compile(..., compiler_options=...)`: every program of the learner is jitted
-    with the options (XLA:CPU's older element-wise emitters here), the gradients
-    equal the default learner's, and the learner keeps the options read-only."""
-    options = {"xla_cpu_use_fusion_emitters": False}
+def recording_jit_options(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Patch `jax.jit` to record the ``compiler_options`` of every program jitted until
+    ``monkeypatch.undo()``; returns the list it fills."""
     seen: list[object] = []
     jit = jax.jit
 
@@ -747,6 +743,17 @@ def test_compiler_options_reach_every_program_and_keep_the_gradients(
         seen.append(kwargs.get("compiler_options"))
         return jit(fn, **kwargs)
 
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    return seen
+
+
+def test_compiler_options_reach_every_program_and_keep_the_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`compile(..., compiler_options=...)`: every program of the learner is jitted
+    with the options (XLA:CPU's older element-wise emitters here), the gradients
+    equal the default learner's, and the learner keeps the options read-only."""
+    options = {"xla_cpu_use_fusion_emitters": False}
     brainstate.random.seed(0)
     model = LeakyTanhReadout(3, 5)
     learner = etrax.compile(
@@ -759,7 +766,7 @@ def test_compiler_options_reach_every_program_and_keep_the_gradients(
     assert dict(learner.compiler_options or {}) == {"xla_cpu_use_fusion_emitters": False}
     default, xs, ys = setup(etrax.PPProp(0.8))
     assert default.compiler_options is None
-    monkeypatch.setattr(jax, "jit", recording_jit)
+    seen = recording_jit_options(monkeypatch)
     got = learner.etrace_grad(xs, ys, mse)
     learner.etrace_evolve(xs)
     monkeypatch.undo()
@@ -870,20 +877,13 @@ def test_auto_compiler_options_keep_the_gradients_on_one_sample(
     """One sample: the learner compiled with the "auto" options gives the gradients of
     brainstate's own update under `jax.grad` (D-RTRL is exact on this model), and
     every one of its programs is jitted with those options."""
-    seen: list[object] = []
-    jit = jax.jit
-
-    def recording_jit(fn: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("compiler_options"))
-        return jit(fn, **kwargs)
-
     brainstate.random.seed(0)
     model = LeakyTanhReadout(3, 5)
     learner = etrax.compile(model, etrax.DRTRL(), jnp.zeros(3))
     xs = jax.random.normal(jax.random.key(0), (T, 3))
     ys = jax.random.normal(jax.random.key(1), (T, 2))
     want = bptt_grads(model, etrax.state_of(learner.graph), xs, ys, mse)
-    monkeypatch.setattr(jax, "jit", recording_jit)
+    seen = recording_jit_options(monkeypatch)
     got = learner.etrace_grad(xs, ys, mse)
     monkeypatch.undo()
     assert seen == [ONE_SAMPLE], seen
