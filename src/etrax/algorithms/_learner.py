@@ -112,9 +112,9 @@ def default_compiler_options(graph: ETraceGraph, samples: int = 1) -> CompilerOp
     measured on a 2-core CPU over GRU, LSTM, LIF and ALIF models of 128 to 2,048
     units (D-RTRL, pp-prop, e-prop), the first gradient came 25–45 % sooner at 128–512
     units (level at 2,048) and the steps ran as fast (0.78–1.18× per step over two
-    runs of 18 and 24 configurations, geometric means 0.98 and 0.99). With a batch the older code
-    for ``tanh`` and sigmoids is slower (a GRU at batch 32: up to 1.23× per step), so
-    batched models keep XLA's defaults. Options this XLA does not know give `None`.
+    runs of 18 and 24 configurations, geometric means 0.98 and 0.99). With a batch
+    the older code for ``tanh`` and sigmoids is slower (a GRU at batch 32: up to 1.23×
+    per step), so batched models keep XLA's defaults. Options this XLA does not know give `None`.
     Pass the result to your own ``jax.jit(..., compiler_options=...)`` around
     `etrax.online_grad` to compile as `etrax.compile` does.
     """
@@ -123,8 +123,7 @@ def default_compiler_options(graph: ETraceGraph, samples: int = 1) -> CompilerOp
     slots = plan_of(graph).slots
     if not slots or any(slot.nb > 1 for slot in slots):
         return None
-    options = tuple(sorted((n, type(v).__name__, v) for n, v in ONE_SAMPLE_CPU_OPTIONS.items()))
-    return None if _refused_by_xla(options) is not None else ONE_SAMPLE_CPU_OPTIONS
+    return None if _xla_refusal(ONE_SAMPLE_CPU_OPTIONS) is not None else ONE_SAMPLE_CPU_OPTIONS
 
 
 def checked_compiler_options(options: object) -> CompilerOptions | None:
@@ -138,22 +137,22 @@ def checked_compiler_options(options: object) -> CompilerOptions | None:
     """
     if options is None:
         return None
-    given = options  # typed `object`: checked as a user without runtime type checks passes it
-    if not isinstance(given, Mapping):
+    # typed `object`: checked as a user without runtime type checks passes it
+    if not isinstance(options, Mapping):
         raise TypeError(
             "compiler_options must be a mapping from XLA option names to values, e.g. "
             "{'xla_cpu_use_fusion_emitters': False} (or, for etrax.compile, 'auto' or "
-            f"None), got {given!r}"
+            f"None), got {options!r}"
         )
     items: list[tuple[str, str | bool | int | float]] = []
-    for name, value in given.items():
+    for name, value in options.items():
         if not isinstance(name, str) or not isinstance(value, str | bool | int | float):
             raise TypeError(
                 "compiler_options maps XLA option names (str) to str, bool, int or float "
                 f"values, got {name!r}: {value!r}"
             )
         items.append((name, value))
-    refused = _refused_by_xla(tuple(sorted((n, type(v).__name__, v) for n, v in items)))
+    refused = _xla_refusal(dict(items))
     if refused is not None:
         raise ValueError(
             f"XLA refused compiler_options {dict(items)!r}: {refused}. Pass options of "
@@ -161,6 +160,12 @@ def checked_compiler_options(options: object) -> CompilerOptions | None:
             "False), e.g. {'xla_cpu_use_fusion_emitters': False}."
         )
     return types.MappingProxyType(dict(items))
+
+
+def _xla_refusal(options: CompilerOptions) -> str | None:
+    """XLA's message when it refuses `options` (`None` when it accepts them), asked
+    once per process and set of options (`_refused_by_xla`)."""
+    return _refused_by_xla(tuple(sorted((n, type(v).__name__, v) for n, v in options.items())))
 
 
 @functools.cache
