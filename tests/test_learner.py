@@ -891,6 +891,24 @@ def test_auto_compiler_options_keep_the_gradients_on_one_sample(
         assert rel(got[p], want[p]) < TOL, p
 
 
+def test_auto_compiler_options_probe_xla_once_per_process() -> None:
+    """Building a one-sample learner with the "auto" options asks XLA once per process
+    whether it knows them (one tiny program), and compiles nothing on later builds."""
+    from etrax.algorithms import _learner
+
+    brainstate.random.seed(0)
+    model = LeakyTanhReadout(3, 5)
+    brainstate.nn.init_all_states(model)  # its eager zero states, compiled outside the count
+    etrax.compile(model, "d_rtrl", jnp.zeros(3), compiler_options=None)  # warms the rest
+    _learner._refused_by_xla.cache_clear()
+    with CompileCount() as first:
+        learner = etrax.compile(model, "d_rtrl", jnp.zeros(3))
+    with CompileCount() as second:
+        etrax.compile(model, "d_rtrl", jnp.zeros(3))
+    assert learner.compiler_options is not None
+    assert (first.count, second.count) == (1, 0)
+
+
 def test_a_new_rule_assigned_to_the_learner_is_the_one_that_runs() -> None:
     """Assigning ``learner.algorithm`` drops the programs built for the old rule (they
     closed over it: the old rule ran, silently) and starts fresh traces."""
