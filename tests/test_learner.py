@@ -246,6 +246,54 @@ def test_constant_outputs_folds_only_constants() -> None:
     assert constant_outputs(lambda v: jax.random.normal(jax.random.key(0), (3,)), x) is None
 
 
+def test_constant_outputs_leaves_large_outputs_to_xla(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `FOLD_MAX_BYTES` of outputs, host-made values cost more than an XLA
+    program: `constant_outputs` then returns `None`; at the bound it still folds."""
+    from etrax import _compat
+
+    def zeros() -> tuple[Array, Array]:
+        return jnp.zeros((4, 8), jnp.float32), jnp.zeros((2,), jnp.float64)
+
+    monkeypatch.setattr(_compat, "FOLD_MAX_BYTES", 4 * 8 * 4 + 2 * 8)
+    assert _compat.constant_outputs(zeros) is not None
+    monkeypatch.setattr(_compat, "FOLD_MAX_BYTES", 4 * 8 * 4 + 2 * 8 - 1)
+    assert _compat.constant_outputs(zeros) is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: etrax.DRTRL(),
+        lambda: etrax.PPProp(0.9),
+        lambda: etrax.EProp(0.9),
+        lambda: etrax.UORO(jax.random.key(0)),
+    ],
+    ids=["drtrl", "pp_prop", "eprop", "uoro"],
+)
+def test_an_eager_rule_init_compiles_nothing(
+    make: Callable[[], etrax.OnlineAlgorithm[Any]],
+) -> None:
+    """The functional ``rule.init(graph, state)``, called eagerly, makes its zero
+    traces on the host (one XLA program per trace shape otherwise); under `jax.jit`
+    and `jax.vmap` it still builds them in the program. The values agree."""
+    rule = make()
+    model = LeakyTanhReadout(3, 5)
+    brainstate.nn.init_all_states(model, batch_size=2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((2, 3)))
+    state = etrax.state_of(graph)
+    with CompileCount() as count:
+        eager = rule.init(graph, state)
+    assert count.count == 0, count.names
+    jitted = jax.jit(lambda st: rule.init(graph, st))(state)
+    mapped = jax.vmap(lambda _: rule.init(graph, state))(jnp.arange(2))
+    for a, b, m in zip(*(jax.tree.leaves(t) for t in (eager, jitted, mapped)), strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) == (m.shape[1:], m.dtype)
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b, m = (jax.random.key_data(k) for k in (a, b, m))
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(m, np.stack([b, b]))
+
+
 def test_the_learner_keeps_a_bounded_number_of_programs() -> None:
     """A new loss function per call builds a new program; the learner keeps the
     `MAX_PROGRAMS` most recently used (a recently used one survives the others)."""

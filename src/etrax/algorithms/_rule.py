@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._compat import at_top_level, constant_outputs
 from .._typing import PyTree
 from ..compiler import ETraceGraph
 from ..executor import ModelState, StepJacobians, fast_check_state, require_graph
@@ -250,7 +251,16 @@ class LearningRule(OnlineAlgorithm[TraceT]):
             self.scope.check(graph)
         leaves = jax.tree.leaves(state.hidden)
         compute = jnp.result_type(*leaves) if leaves else jnp.float32
-        return self.factorisation.init(graph, self._store(compute), self)
+        store = self._store(compute)
+
+        def zeros() -> TraceT:
+            return self.factorisation.init(graph, store, self)
+
+        if at_top_level():  # eager: the zero traces are made without an XLA program
+            folded: TraceT | None = constant_outputs(zeros)
+            if folded is not None:
+                return folded
+        return zeros()
 
     def update(
         self, graph: ETraceGraph, traces: TraceT, jac: StepJacobians, weights: Weights | None = None
