@@ -234,6 +234,8 @@ def test_constant_outputs_folds_only_constants() -> None:
             "b": jnp.zeros((4,), jnp.int32).reshape(2, 2),
             "c": jnp.full((3,), 2.5).astype(jnp.float16),
             "d": jax.vmap(lambda _: jnp.ones((2,)))(v),
+            "e": jnp.full((2,), -0.0, jnp.float32),
+            "f": jnp.zeros((3,), bool),
         }
 
     folded = constant_outputs(zeros, x)
@@ -241,6 +243,7 @@ def test_constant_outputs_folds_only_constants() -> None:
     for key, want in zeros(x).items():
         assert (folded[key].dtype, folded[key].shape) == (want.dtype, want.shape), key
         np.testing.assert_array_equal(folded[key], want)
+        np.testing.assert_array_equal(np.signbit(folded[key]), np.signbit(want))
     assert constant_outputs(lambda v: (jnp.zeros(3), v * 0.0), x) is None
     assert constant_outputs(lambda v: jnp.zeros(3) + 1.0, x) is None
     assert constant_outputs(lambda v: jax.random.normal(jax.random.key(0), (3,)), x) is None

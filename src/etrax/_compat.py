@@ -671,13 +671,16 @@ def _nbytes(struct: Any) -> int:
 
 
 def _materialised(val: np.ndarray, dtype: Any) -> np.ndarray:
-    """`val` as a contiguous array of `dtype`, written once: a broadcast scalar (the
-    usual constant output, a zero trace) is filled directly, zeros by ``np.zeros``,
-    whose pages the system hands out already zeroed, instead of being cast and then
-    copied (a large model's traces are hundreds of MB)."""
+    """`val` as a contiguous array of `dtype`. A broadcast scalar (the usual constant
+    output, a zero trace) is filled directly; a zero by ``np.zeros``, whose pages the
+    system hands out already zeroed, so that the copy to the device is the only pass
+    over a large trace (a negative zero keeps its sign)."""
     if val.size and not any(val.strides):  # one value, broadcast
         fill = val.reshape(-1)[0]
-        return np.zeros(val.shape, dtype) if fill == 0 else np.full(val.shape, fill, dtype)
+        negative = np.issubdtype(val.dtype, np.floating) and bool(np.signbit(fill))
+        if fill == 0 and not negative:
+            return np.zeros(val.shape, dtype)
+        return np.full(val.shape, fill, dtype)
     return np.ascontiguousarray(val, dtype=dtype)
 
 
