@@ -871,6 +871,56 @@ def test_short_sum_equals_a_sum(n: int, axis: int) -> None:
         )
 
 
+def test_squeezed_scan_is_a_scan_without_axes_of_length_one() -> None:
+    """`squeezed_scan` returns exactly what `jax.lax.scan` does (forward and reverse,
+    a pytree with axes of length 1, a scalar, an empty array, a weak type and a PRNG
+    key), while the loop itself carries and stacks no axis of length 1 (the steps'
+    axis aside). `squeezed` keeps the leading axes it is told to, other axes, and a
+    PRNG key as they are."""
+    from etrax.algorithms import _kernels
+
+    f = jax.random.normal(jax.random.PRNGKey(0), (5, 3, 1, 1), jnp.float64)
+    init = {
+        "col": jnp.ones((3, 1), jnp.float64),
+        "cube": jnp.full((3, 1, 1), 2.0, jnp.float64),
+        "empty": jnp.zeros((0, 2), jnp.float64),
+        "scalar": jnp.asarray(0.5, jnp.float64),
+        "weak": jnp.asarray(1.0),
+        "key": jax.random.key(1),
+    }
+
+    def body(c: dict[str, Any], x: Array) -> tuple[dict[str, Any], Any]:
+        key, sub = jax.random.split(c["key"])
+        col = c["col"] * x[..., 0] + c["scalar"]
+        new = {**c, "col": col, "cube": c["cube"] * x, "weak": c["weak"] * 0.5, "key": key}
+        out = (col[:, None, :], c["empty"] + 1.0, c["weak"], jax.random.normal(sub, (2, 1)))
+        return new, out
+
+    for reverse in (False, True):
+        want = jax.lax.scan(body, init, f, reverse=reverse)
+        got = _kernels.squeezed_scan(body, init, f, reverse=reverse)
+        assert str(jax.tree.structure(got)) == str(jax.tree.structure(want))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert etrax._compat.aval_of(a).weak_type == etrax._compat.aval_of(b).weak_type
+            if jnp.issubdtype(a.dtype, jax.dtypes.extended):
+                a, b = jax.random.key_data(a), jax.random.key_data(b)
+            np.testing.assert_array_equal(a, b)
+    (loop,) = [
+        e for e in jax.make_jaxpr(lambda: _kernels.squeezed_scan(body, init, f))().jaxpr.eqns
+        if e.primitive.name == "scan"
+    ]  # fmt: skip
+    n_carry = loop.params["num_carry"]
+    assert all(1 not in v.aval.shape for v in loop.outvars[:n_carry])
+    assert all(1 not in v.aval.shape[1:] for v in loop.outvars[n_carry:])
+    assert all(1 not in v.aval.shape[1:] for v in loop.invars[-1:])  # the steps' inputs
+    assert _kernels.squeezed(f, 1).shape == (5, 3)
+    assert _kernels.squeezed(jnp.zeros((1, 1, 2)), 1).shape == (1, 2)
+    assert _kernels.squeezed(init["key"]) is init["key"]
+    block = jnp.zeros((4, 2, 2))
+    assert _kernels.squeezed(block) is block
+
+
 def test_a_vmap_learner_of_a_batch_keeps_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A `vmap` learner compiles one sample's graph but runs the whole batch each step:
     with ``chunk_steps=None`` it chunks on an accelerator when the batch has more than

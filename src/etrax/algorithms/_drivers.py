@@ -74,7 +74,7 @@ from ._base import (
     zeros_eff,
 )
 from ._dni import SyntheticGradient
-from ._kernels import instant_contribution
+from ._kernels import instant_contribution, squeezed
 from ._plan import plan_of
 from ._weights import (
     add_param_grads,
@@ -711,7 +711,9 @@ def _packed_scan(
     """``jax.lax.scan(body, carry, xs)`` whose small per-step outputs of each dtype
     (`_pack_plan`) are raveled into one vector per step, stacked as one ``(K, n)``
     array and split again after the loop: the same values, with one buffer write per
-    step instead of one per output (what a small model's step spends its time on)."""
+    step instead of one per output (what a small model's step spends its time on).
+    The other outputs are stacked without their axes of length 1 (`squeezed`), so
+    that those that differ only by such axes share their buffers' kernels."""
     layout: list[Any] = []  # (treedef, leaf shapes, plan), set when `body` is traced
 
     def packed_body(c: Any, x: Any) -> Any:
@@ -720,7 +722,7 @@ def _packed_scan(
         plan = _pack_plan(flat)
         layout.append((treedef, [a.shape for a in flat], plan))
         members = {i for idx in plan.values() for i in idx}
-        rest = [a for i, a in enumerate(flat) if i not in members]
+        rest = [squeezed(a) for i, a in enumerate(flat) if i not in members]
         vecs = [jnp.concatenate([flat[i].ravel() for i in idx]) for idx in plan.values()]
         return c, (vecs, rest)
 
@@ -731,7 +733,8 @@ def _packed_scan(
     rest_iter = iter(rest)
     for i in range(len(shapes)):
         if i not in members:
-            flat_out[i] = next(rest_iter)
+            a = next(rest_iter)
+            flat_out[i] = a.reshape(a.shape[0], *shapes[i])
     for vec, idx in zip(vecs, plan.values(), strict=True):
         start = 0
         for i in idx:

@@ -282,6 +282,51 @@ def instant_contribution(
 # --- chunked (fused only) --------------------------------------------------------------------
 
 
+def squeezed(a: Any, lead: int = 0) -> Any:
+    """`a` without its axes of length 1 after the first `lead` (a bitcast in XLA).
+    A loop's buffers (zero fills, copies, stacking writes) are compiled as a kernel
+    per distinct shape on XLA:CPU; stored this way, values that differ only by such
+    axes (a one-state group's ``(P, 1)`` signals and ``(P, 1, 1)`` Jacobians) share
+    them, which shortens the compile. Other axes are kept: flattening a two-state
+    group's ``(P, 2, 2)`` blocks into rows made its loops up to 1.7× slower."""
+    if jnp.issubdtype(a.dtype, jax.dtypes.extended) or 1 not in a.shape[lead:]:
+        return a
+    return a.reshape(*a.shape[:lead], *(d for d in a.shape[lead:] if d != 1))
+
+
+def squeezed_scan(
+    body: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, reverse: bool = False
+) -> tuple[Any, Any]:
+    """``jax.lax.scan(body, init, xs, reverse=reverse)`` whose carried values and
+    per-step inputs and outputs are stored `squeezed` (reshaped back in and out of
+    `body`, so `body` sees the shapes it is given and returns)."""
+    init_leaves, init_def = jax.tree.flatten(init)
+    x_leaves, x_def = jax.tree.flatten(xs)
+    init_shapes = [a.shape for a in init_leaves]
+    x_shapes = [a.shape[1:] for a in x_leaves]
+    out_layout: list[tuple[Any, list[tuple[int, ...]]]] = []
+
+    def shaped(leaves: list[Any], shapes: list[tuple[int, ...]]) -> list[Any]:
+        return [a.reshape(s) for a, s in zip(leaves, shapes, strict=True)]
+
+    def inner(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        carry = jax.tree.unflatten(init_def, shaped(c, init_shapes))
+        carry, y = body(carry, jax.tree.unflatten(x_def, shaped(x, x_shapes)))
+        y_leaves, y_def = jax.tree.flatten(y)
+        out_layout.append((y_def, [a.shape for a in y_leaves]))
+        return [squeezed(a) for a in jax.tree.leaves(carry)], [squeezed(a) for a in y_leaves]
+
+    c, ys = jax.lax.scan(
+        inner,
+        [squeezed(a) for a in init_leaves],
+        [squeezed(a, 1) for a in x_leaves],
+        reverse=reverse,
+    )
+    y_def, y_shapes = out_layout[-1]
+    stacked = [a.reshape(a.shape[0], *s) for a, s in zip(ys, y_shapes, strict=True)]
+    return jax.tree.unflatten(init_def, shaped(c, init_shapes)), jax.tree.unflatten(y_def, stacked)
+
+
 def _matvec(M: Array, v: Array) -> Array:
     """``M[..., a, c] v[..., c] → (..., a)`` for the small ``S × S`` blocks."""
     return short_sum(M * v[..., None, :])
@@ -372,7 +417,7 @@ def chunk_backward(
         weights = jnp.where(k_idx > 0, power, jnp.zeros_like(power))
     init = vary_tree((jnp.zeros_like(Lc[0]), eye, eye), Lc, Dc)
     back = functools.partial(_back_step, eye if filt else None)
-    (A, P, Pf), (G, Q, Pfs) = jax.lax.scan(back, init, (Lc, Dc, weights), reverse=True)
+    (A, P, Pf), (G, Q, Pfs) = squeezed_scan(back, init, (Lc, Dc, weights), reverse=True)
     if N0 is not None:
         A = A + N0
     if not filt:
