@@ -825,7 +825,9 @@ def _online_impl(
         # counted with the true signal; the traces then learn from the rule's signal
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
         sig, old = algo.learning_signals(graph, sig, old, cot, mod)
-        return (moving_parts(st), _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, old, deferred)
+        # no route from the old hidden values: nothing to carry or stack
+        kept = old if direct else None
+        return (moving_parts(st), _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, kept, deferred)
 
     zeros = zeros_eff(graph, dtype)
     if K == 1:

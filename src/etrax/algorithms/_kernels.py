@@ -470,7 +470,7 @@ def drtrl_chunk_parts(
     P = _canon_out(slot, back.P, 2)
     G = back.G.reshape(K, slot.nb, slot.out, S)
     R = _matvec(back.Q.reshape(K, slot.nb, slot.out, S, S), dfc)  # Q_k df_k
-    W = short_sum(dfc * G)  # (K, NB, O)
+    W = short_sum(G * dfc)  # (K, NB, O); G first: one kernel for every slot (XLA's order)
     us = None if xs is None else jax.vmap(lambda v: _factors(slot, v))(xs)
     filtering = filtered is not None and kappa is not None and back.Pfs is not None
     if filtering:
