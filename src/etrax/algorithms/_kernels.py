@@ -470,7 +470,7 @@ def drtrl_chunk_parts(
     P = _canon_out(slot, back.P, 2)
     G = back.G.reshape(K, slot.nb, slot.out, S)
     R = _matvec(back.Q.reshape(K, slot.nb, slot.out, S, S), dfc)  # Q_k df_k
-    W = short_sum(G * dfc)  # (K, NB, O); G first: one kernel for every slot (XLA's order)
+    W = short_sum(G * dfc)  # (K, NB, O); G first: every slot gets the same XLA kernel
     us = None if xs is None else jax.vmap(lambda v: _factors(slot, v))(xs)
     filtering = filtered is not None and kappa is not None and back.Pfs is not None
     if filtering:
@@ -498,7 +498,8 @@ def drtrl_chunk_parts(
             f0 = _canon_trace(slot, k, filtered[k])
             terms[-1].append((edge, f0, has_u))
             fresh = jnp.sum(Rf, axis=0) if u is None else jnp.einsum("kni,knoa->nioa", u, Rf)
-            fK = kappa**K * f0 + _mix(Pf, e0, has_u) + fresh
+            # in this order every slot of a group gets the same XLA kernel (docs/benchmarks.md)
+            fK = _mix(Pf, e0, has_u) + kappa**K * f0 + fresh
             new_filt[k] = fK.reshape(filtered[k].shape).astype(filtered[k].dtype)
         new_eps[k] = eK.reshape(eps[k].shape).astype(eps[k].dtype)
     return ChunkParts(new_eps, new_filt if filtering else None, terms, fresh_grads)
