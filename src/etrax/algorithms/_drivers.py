@@ -825,7 +825,7 @@ def _online_impl(
         # counted with the true signal; the traces then learn from the rule's signal
         acc_sub = add_eff(acc_sub, _overlap(graph, jac, sig, weights))
         sig, old = algo.learning_signals(graph, sig, old, cot, mod)
-        # no route from the old hidden values: nothing to carry or stack
+        # no route from the old hidden values: nothing to carry or stack (None below)
         kept = old if direct else None
         return (moving_parts(st), _add(acc_pi, g_pi), acc_sub), (loss, jac, sig, kept, deferred)
 
@@ -857,7 +857,7 @@ def _online_impl(
             (st, acc_pi, acc_sub), (loss, jac, sig, old, deferred) = signal_step(
                 (st, acc_pi, acc_sub), inp
             )
-            tr, now, saved = algo.stream_step(graph, tr, jac, sig, weights, old if direct else None)
+            tr, now, saved = algo.stream_step(graph, tr, jac, sig, weights, old)
             return (st, tr, add_eff(acc_eff, now), acc_pi, acc_sub), (loss, deferred, saved)
 
         def chunk_body(carry: Any, inp: Any) -> Any:
@@ -873,7 +873,7 @@ def _online_impl(
                     inp,
                 )
                 deferred = _with_inputs(graph, deferred, jacs)
-                tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds if direct else None)
+                tr, g = algo.chunk(graph, tr, jacs, sigs, weights, olds)
                 acc_eff = add_eff(acc_eff, g)
             # the instantaneous gradients of the uses inside equations: one product per
             # use over the chunk's stacked steps (off the per-step critical path)
