@@ -864,11 +864,33 @@ def test_short_sum_equals_a_sum(n: int, axis: int) -> None:
         N = jax.random.normal(jax.random.PRNGKey(8), (2, 3, n, n))
         v = jax.random.normal(jax.random.PRNGKey(9), (2, 3, n))
         np.testing.assert_allclose(
-            _kernels._matvec(M, v), jnp.einsum("noac,noc->noa", M, v), rtol=1e-12
+            _kernels.matvec(M, v), jnp.einsum("noac,noc->noa", M, v), rtol=1e-12
         )
         np.testing.assert_allclose(
             _kernels._matmul(M, N), jnp.einsum("noac,nocb->noab", M, N), rtol=1e-12
         )
+
+
+def test_one_state_block_products_use_the_trace_as_it_is() -> None:
+    """With one state per hidden group (``S = 1``) the small-block products are a
+    single element-wise product in which the trace enters with its own shape (no
+    reshape, broadcast or squeeze of it), so that XLA can write a loop's new trace
+    into the old one's buffer; a reshaped operand made it copy the trace every step.
+    Same values as the general form."""
+    from etrax.algorithms import _kernels
+
+    M = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 1, 1))
+    N = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 1, 1))
+    v = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 1))
+    for fn, other, general in (
+        (_kernels.matvec, v, _kernels.short_sum(M * v[..., None, :])),
+        (_kernels._matmul, N, _kernels.short_sum(M[..., :, :, None] * N[..., None, :, :], -2)),
+    ):
+        np.testing.assert_array_equal(fn(M, other), general)
+        jaxpr = jax.make_jaxpr(fn)(M, other).jaxpr
+        trace = jaxpr.invars[1]
+        users = [e.primitive.name for e in jaxpr.eqns if trace in e.invars]
+        assert users == ["mul"], jaxpr
 
 
 def test_squeezed_scan_is_a_scan_without_axes_of_length_one() -> None:

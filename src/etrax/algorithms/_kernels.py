@@ -113,7 +113,7 @@ def _mix(M: Array, e: Array, has_input: bool) -> Array:
     """``Σ_c M[n, o, a, c] e[n, (i,) o, c]`` as broadcast products (no batched matvecs)."""
     if has_input:
         M = M[:, None]
-    return short_sum(M * e[..., None, :])
+    return matvec(M, e)
 
 
 SLICE_LOOP_BACKENDS: tuple[str, ...] = ("cpu",)
@@ -327,13 +327,22 @@ def squeezed_scan(
     return jax.tree.unflatten(init_def, shaped(c, init_shapes)), jax.tree.unflatten(y_def, stacked)
 
 
-def _matvec(M: Array, v: Array) -> Array:
-    """``M[..., a, c] v[..., c] → (..., a)`` for the small ``S × S`` blocks."""
+def matvec(M: Array, v: Array) -> Array:
+    """``M[..., a, c] v[..., c] → (..., a)`` for the small ``S × S`` blocks, as
+    broadcast products (no batched matvecs). With one state (``S = 1``) it is the
+    element-wise product ``M[..., 0] v``, the same arithmetic written without the
+    size-1 axes: a loop that updates a trace ``v`` then writes the new trace into
+    the old one's buffer, where a reshaped operand made XLA copy it every step."""
+    if M.shape[-1] == 1 and M.shape[-2] == 1:
+        return M[..., 0] * v
     return short_sum(M * v[..., None, :])
 
 
 def _matmul(M: Array, N: Array) -> Array:
-    """``M[..., a, c] N[..., c, b] → (..., a, b)`` for the small ``S × S`` blocks."""
+    """``M[..., a, c] N[..., c, b] → (..., a, b)`` for the small ``S × S`` blocks
+    (with ``S = 1`` the element-wise product, as in `matvec`)."""
+    if M.shape[-1] == 1 and M.shape[-2] == 1 and N.shape[-2] == 1 and N.shape[-1] == 1:
+        return M * N
     return short_sum(M[..., :, :, None] * N[..., None, :, :], axis=-2)
 
 
@@ -370,7 +379,7 @@ def _back_step(eye: Array | None, carry: tuple[Array, ...], inp: tuple[Array, ..
     g_acc, Q, Pf = carry  # D_{k+1}^T G_{k+1}, Q_k, P̃_k (P̃ only with the filter)
     L_k, D_k, w_k = inp
     G_k = L_k + g_acc
-    g_next = _matvec(jnp.swapaxes(D_k, -1, -2), G_k)
+    g_next = matvec(jnp.swapaxes(D_k, -1, -2), G_k)
     Q_next = _matmul(Q, D_k)
     if eye is None:
         return (g_next, Q_next, Pf), (G_k, Q, None)
@@ -469,13 +478,13 @@ def drtrl_chunk_parts(
     A = _canon_out(slot, back.A, 1)
     P = _canon_out(slot, back.P, 2)
     G = back.G.reshape(K, slot.nb, slot.out, S)
-    R = _matvec(back.Q.reshape(K, slot.nb, slot.out, S, S), dfc)  # Q_k df_k
+    R = matvec(back.Q.reshape(K, slot.nb, slot.out, S, S), dfc)  # Q_k df_k
     W = short_sum(G * dfc)  # (K, NB, O); G first: every slot gets the same XLA kernel
     us = None if xs is None else jax.vmap(lambda v: _factors(slot, v))(xs)
     filtering = filtered is not None and kappa is not None and back.Pfs is not None
     if filtering:
         assert back.Pf is not None and back.Pfs is not None and back.edge is not None
-        Rf = _matvec(back.Pfs.reshape(K, slot.nb, slot.out, S, S), dfc)  # P̃_k df_k
+        Rf = matvec(back.Pfs.reshape(K, slot.nb, slot.out, S, S), dfc)  # P̃_k df_k
         Pf = _canon_out(slot, back.Pf, 2)
         edge = _canon_out(slot, back.edge, 1)
     new_eps: Trace = {}

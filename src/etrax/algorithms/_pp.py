@@ -17,7 +17,7 @@ from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, NoFilter
 from ._base import EffGrads, Weights, add_into, concrete_number, scan_chunk
-from ._kernels import map_extra, short_sum
+from ._kernels import map_extra, matvec, short_sum
 from ._plan import plan_of
 from ._rule import LearningRule, TraceFactorisation
 
@@ -162,7 +162,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
         for slot, ef in zip(plan.slots, traces.f, strict=True):
             D = jac.D[slot.group]
             df = jac.df[slot.relation][slot.tail]
-            mixed = short_sum(D * ef[..., None, :])  # D ⊛ ε_f
+            mixed = matvec(D, ef)  # D ⊛ ε_f
             fs.append(a * mixed + (1.0 - a) * df)
         return IOTraces(tuple(xs), tuple(fs), traces.count + 1)
 
