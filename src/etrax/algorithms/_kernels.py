@@ -37,6 +37,7 @@ __all__ = [
     "drtrl_update",
     "instant_contribution",
     "map_extra",
+    "matvec",
     "short_sum",
 ]
 
@@ -333,7 +334,7 @@ def matvec(M: Array, v: Array) -> Array:
     element-wise product ``M[..., 0] v``, the same arithmetic written without the
     size-1 axes: a loop that updates a trace ``v`` then writes the new trace into
     the old one's buffer, where a reshaped operand made XLA copy it every step."""
-    if M.shape[-1] == 1 and M.shape[-2] == 1:
+    if M.shape[-2:] == (1, 1):
         return M[..., 0] * v
     return short_sum(M * v[..., None, :])
 
@@ -341,7 +342,7 @@ def matvec(M: Array, v: Array) -> Array:
 def _matmul(M: Array, N: Array) -> Array:
     """``M[..., a, c] N[..., c, b] → (..., a, b)`` for the small ``S × S`` blocks
     (with ``S = 1`` the element-wise product, as in `matvec`)."""
-    if M.shape[-1] == 1 and M.shape[-2] == 1 and N.shape[-2] == 1 and N.shape[-1] == 1:
+    if M.shape[-2:] == N.shape[-2:] == (1, 1):
         return M * N
     return short_sum(M[..., :, :, None] * N[..., None, :, :], axis=-2)
 
