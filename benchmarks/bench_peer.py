@@ -507,7 +507,7 @@ def build_program(
 
         traces = algo.init(graph, state)
         options = (
-            etrax.algorithms.default_compiler_options(graph)
+            etrax.algorithms.default_compiler_options(graph, algo)
             if compiler_options == "auto"
             else compiler_options
         )

@@ -892,18 +892,44 @@ ONE_SAMPLE = dict(etrax.algorithms.ONE_SAMPLE_CPU_OPTIONS)
 def test_auto_compiler_options_pick_the_older_emitters_on_one_sample_on_the_cpu(
     batch_size: int | None, vmap: bool, example: tuple[int, ...], want: dict[str, bool] | None
 ) -> None:
-    """``compiler_options="auto"`` (the default) gives a model run on one sample on the
-    CPU XLA:CPU's older element-wise emitters, and a batched one (or one sample's graph
-    mapped over a batch) XLA's defaults; `default_compiler_options` says the same."""
+    """``compiler_options="auto"`` (the default) gives `etrace_grad`'s program for a
+    model run on one sample on the CPU XLA:CPU's older element-wise emitters, and a
+    batched one (or one sample's graph mapped over a batch) XLA's defaults; every other
+    program keeps XLA's defaults; `default_compiler_options` says the same."""
     brainstate.random.seed(0)
     learner = etrax.compile(
         LeakyTanhReadout(3, 5), "d_rtrl", jnp.zeros(example), batch_size=batch_size, vmap=vmap
     )
-    got = learner.compiler_options
+    assert learner.compiler_options is None
+    got = learner.grad_compiler_options
     assert (None if got is None else dict(got)) == want
     samples = batch_size if vmap and batch_size else 1
-    direct = etrax.algorithms.default_compiler_options(learner.graph, samples)
+    direct = etrax.algorithms.default_compiler_options(learner.graph, etrax.DRTRL(), samples)
     assert (None if direct is None else dict(direct)) == want
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        etrax.DRTRL(chunk_steps=1),
+        etrax.PPProp(0.9, chunk_steps=1),
+        etrax.EProp(0.5, chunk_steps=1),
+        etrax.SnAp(2),
+    ],
+    ids=["drtrl-per-step", "pp-prop-per-step", "eprop-per-step", "snap"],
+)
+def test_auto_compiler_options_keep_xla_defaults_for_per_step_traces(
+    rule: etrax.OnlineAlgorithm[Any],
+) -> None:
+    """A rule whose loop updates trace-sized arrays at every step (``chunk_steps=1``,
+    or a scope the fused chunk does not take) keeps XLA's defaults on one sample too:
+    the older emitters' code for those kernels is several times slower."""
+    brainstate.random.seed(0)
+    learner = etrax.compile(LeakyTanhReadout(3, 5), rule, jnp.zeros(3))
+    assert not rule.vector_steps(learner.graph)
+    assert learner.grad_compiler_options is None
+    assert etrax.algorithms.default_compiler_options(learner.graph, rule) is None
+    assert etrax.DRTRL().vector_steps(learner.graph)  # the control: a chunked rule's are
 
 
 def test_auto_compiler_options_are_xla_defaults_off_the_cpu_or_when_asked(
@@ -916,7 +942,7 @@ def test_auto_compiler_options_are_xla_defaults_off_the_cpu_or_when_asked(
     plain = etrax.compile(model, "d_rtrl", jnp.zeros(3), compiler_options=None)
     assert plain.compiler_options is None
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert etrax.compile(model, "d_rtrl", jnp.zeros(3)).compiler_options is None
+    assert etrax.compile(model, "d_rtrl", jnp.zeros(3)).grad_compiler_options is None
     monkeypatch.undo()
     with typechecks_paused(), pytest.raises(TypeError, match="'auto'"):
         etrax.compile(model, "d_rtrl", jnp.zeros(3), compiler_options="fast")  # type: ignore[arg-type]
@@ -926,8 +952,9 @@ def test_auto_compiler_options_keep_the_gradients_on_one_sample(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """One sample: the learner compiled with the "auto" options gives the gradients of
-    brainstate's own update under `jax.grad` (D-RTRL is exact on this model), and
-    every one of its programs is jitted with those options."""
+    brainstate's own update under `jax.grad` (D-RTRL is exact on this model);
+    `etrace_grad`'s program is jitted with the older emitters, `etrace_evolve`'s (which
+    updates the traces at every step) with XLA's defaults."""
     brainstate.random.seed(0)
     model = LeakyTanhReadout(3, 5)
     learner = etrax.compile(model, etrax.DRTRL(), jnp.zeros(3))
@@ -936,15 +963,17 @@ def test_auto_compiler_options_keep_the_gradients_on_one_sample(
     want = bptt_grads(model, etrax.state_of(learner.graph), xs, ys, mse)
     seen = recording_jit_options(monkeypatch)
     got = learner.etrace_grad(xs, ys, mse)
+    learner.etrace_evolve(xs)
     monkeypatch.undo()
-    assert seen == [ONE_SAMPLE], seen
+    assert seen == [ONE_SAMPLE, None], seen
     for p in want:
         assert rel(got[p], want[p]) < TOL, p
 
 
 def test_auto_compiler_options_probe_xla_once_per_process() -> None:
-    """Building a one-sample learner with the "auto" options asks XLA once per process
-    whether it knows them (one tiny program), and compiles nothing on later builds."""
+    """A one-sample learner with the "auto" options asks XLA once per process whether
+    it knows them (one tiny program, when they are first read), and compiles nothing
+    for that on later reads or builds."""
     from etrax.algorithms import _learner
 
     brainstate.random.seed(0)
@@ -952,12 +981,13 @@ def test_auto_compiler_options_probe_xla_once_per_process() -> None:
     brainstate.nn.init_all_states(model)  # its eager zero states, compiled outside the count
     etrax.compile(model, "d_rtrl", jnp.zeros(3), compiler_options=None)  # warms the rest
     _learner._refused_by_xla.cache_clear()
-    with CompileCount() as first:
+    with CompileCount() as built:
         learner = etrax.compile(model, "d_rtrl", jnp.zeros(3))
+    with CompileCount() as first:
+        assert learner.grad_compiler_options is not None
     with CompileCount() as second:
-        etrax.compile(model, "d_rtrl", jnp.zeros(3))
-    assert learner.compiler_options is not None
-    assert (first.count, second.count) == (1, 0)
+        assert etrax.compile(model, "d_rtrl", jnp.zeros(3)).grad_compiler_options is not None
+    assert (built.count, first.count, second.count) == (0, 1, 0)
 
 
 def test_a_new_rule_assigned_to_the_learner_is_the_one_that_runs() -> None:

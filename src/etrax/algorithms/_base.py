@@ -270,6 +270,17 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
         the graph and the device; by default `chunk_size`)."""
         return self.chunk_size
 
+    def vector_steps(self, graph: ETraceGraph) -> bool:
+        """Whether the sequence driver's per-step loop over `graph` (`online_grad`
+        without a window) holds element-wise work of the size of the hidden states and
+        inputs only, the work of the size of a trace (or a weight) running once per
+        chunk: a rule that re-associates its chunks (`chunk_for` above 1) and forms
+        every trace-sized term in `chunk` or `stream_finish`. `default_compiler_options`
+        reads it (XLA:CPU's older emitters compile such a loop sooner and run it as
+        fast, but run trace-sized element-wise kernels several times slower). The
+        default, `False`, is always safe."""
+        return False
+
     def streams(self, graph: ETraceGraph) -> bool:
         """Whether the sequence driver runs a chunk as one scan of `stream_step`
         followed by `stream_finish`, instead of stacking the chunk's Jacobians for

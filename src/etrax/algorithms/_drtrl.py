@@ -13,7 +13,7 @@ from jaxtyping import Array
 from .._errors import CompilationError
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
-from ._axes import Coupled, Diagonal, Kappa, Sparse
+from ._axes import Coupled, Diagonal, Kappa, NoFilter, Sparse
 from ._base import EffGrads, Weights, add_into, scan_chunk
 from ._kernels import (
     ChunkBackward,
@@ -256,6 +256,14 @@ class PerParameter(TraceFactorisation[ParamTraces]):
         for slot, hood, e in zip(slots, _hoods(graph, rule.scope), eps, strict=True):
             add_into(out[slot.relation], snap_solve(slot, hood, e, signals[slot.group]))
         return tuple(out)
+
+    def vector_chunks(self, graph: ETraceGraph, rule: LearningRule[ParamTraces]) -> bool:
+        # the fused chunk (`_chunk_eps`, `_chunk_filtered`) for every slot
+        return (
+            not isinstance(rule.scope, Sparse)
+            and isinstance(rule.filter, NoFilter | Kappa)
+            and all(slot.factorized for slot in plan_of(graph).slots)
+        )
 
     def chunk(
         self, graph: ETraceGraph, traces: ParamTraces, jacs: StepJacobians,

@@ -100,28 +100,39 @@ ONE_SAMPLE_CPU_OPTIONS: CompilerOptions = types.MappingProxyType(
 CPU: XLA:CPU's older element-wise emitters."""
 
 
-def default_compiler_options(graph: ETraceGraph, samples: int = 1) -> CompilerOptions | None:
-    """The XLA options `etrax.compile` gives a learner of `graph` by default
-    (``compiler_options="auto"``): `ONE_SAMPLE_CPU_OPTIONS` when the default JAX
-    backend is the CPU and every traced op runs on one sample (no batch, or a batch
-    of 1, in the graph, and ``samples = 1`` mapped over it with ``vmap=True``);
-    otherwise `None`, XLA's defaults.
+def default_compiler_options(
+    graph: ETraceGraph, algorithm: OnlineAlgorithm[Any], samples: int = 1
+) -> CompilerOptions | None:
+    """The XLA options `etrax.compile` gives by default (``compiler_options="auto"``)
+    to the program of `etrace_grad` without a window (`etrax.online_grad` of
+    `algorithm` on `graph`): `ONE_SAMPLE_CPU_OPTIONS` when the default JAX backend is
+    the CPU, every traced op runs on one sample (no batch, or a batch of 1, in the
+    graph, and ``samples = 1`` mapped over it with ``vmap=True``) and the rule's
+    per-step loop is vector-sized (`OnlineAlgorithm.vector_steps`: the built-in rules
+    with ``chunk_steps`` above 1); otherwise `None`, XLA's defaults. Every other
+    program of a learner (`etrace_evolve`, a call, `bptt_grad`, `etrace_grad` with a
+    window) keeps XLA's defaults under ``"auto"``.
 
-    On one sample every array of a step is a vector, XLA:CPU's newer fusion emitters
-    buy nothing there, and their compile costs about twice the older ones' per kernel:
-    measured on a 2-core CPU over GRU, LSTM, LIF and ALIF models of 128 to 2,048
-    units (D-RTRL, pp-prop, e-prop), the first gradient came 25–45 % sooner at 128–512
-    units (level at 2,048) and the steps ran as fast (0.78–1.18× per step over two
-    runs of 18 and 24 configurations, geometric means 0.98 and 0.99). With a batch
-    the older code for ``tanh`` and sigmoids is slower (a GRU at batch 32: up to 1.23×
-    per step), so batched models keep XLA's defaults. Options this XLA does not know give `None`.
-    Pass the result to your own ``jax.jit(..., compiler_options=...)`` around
-    `etrax.online_grad` to compile as `etrax.compile` does.
+    On one sample every array of such a loop is a vector, XLA:CPU's newer fusion
+    emitters buy nothing there, and their compile costs about twice the older ones'
+    per kernel: measured on a 2-core CPU over GRU, LSTM, LIF and ALIF models of 128 to
+    2,048 units (D-RTRL, pp-prop, e-prop), the first gradient came 25–45 % sooner at
+    128–512 units (level at 2,048) and the steps ran as fast (0.78–1.18× per step over
+    two runs of 18 and 24 configurations, geometric means 0.98 and 0.99). A loop that
+    updates trace-sized (or weight-sized) arrays at every step is another matter: the
+    older emitters' code for those is several times slower (a GRU of 128 units on one
+    sample, per step: `etrace_evolve` with D-RTRL 196 µs against 54 with XLA's
+    defaults; `etrace_grad` with ``chunk_steps=1``: D-RTRL 662 against 110, pp-prop
+    144 against 38). With a batch the older code for ``tanh`` and sigmoids is slower
+    (a GRU at batch 32: up to 1.23× per step), so batched models keep XLA's defaults.
+    Options this XLA does not know give `None`. Pass the result to your own
+    ``jax.jit(..., compiler_options=...)`` around `etrax.online_grad` to compile as
+    `etrax.compile` does.
     """
     if samples != 1 or jax.default_backend() != "cpu":
         return None
     slots = plan_of(graph).slots
-    if not slots or any(slot.nb > 1 for slot in slots):
+    if not slots or any(slot.nb > 1 for slot in slots) or not algorithm.vector_steps(graph):
         return None
     return None if _xla_refusal(ONE_SAMPLE_CPU_OPTIONS) is not None else ONE_SAMPLE_CPU_OPTIONS
 
@@ -225,16 +236,17 @@ class OnlineLearner:
         graph: ETraceGraph,
         batch_size: int | None,
         vmap: bool = False,
-        compiler_options: CompilerOptions | None = None,
+        compiler_options: CompilerOptions | Literal["auto"] | None = None,
     ) -> None:
         self._model = model
         self._algorithm = algorithm
         self._graph = graph
         self.batch_size = batch_size
         self.vmap = vmap
-        self.compiler_options = checked_compiler_options(compiler_options)
+        self._auto = isinstance(compiler_options, str) and compiler_options == "auto"
+        self.compiler_options = None if self._auto else checked_compiler_options(compiler_options)
         """The XLA options every program of this learner is compiled with (`None`:
-        XLA's defaults)."""
+        XLA's defaults), but for `grad_compiler_options`."""
         mi = graph.module_info
         self._written_other = frozenset(
             info.path for info in mi.states if info.kind is StateKind.OTHER and info.written
@@ -329,17 +341,30 @@ class OnlineLearner:
         traces = self._program(("init",), program)(state) if folded is None else folded
         self.traces = fresh_streams(traces, previous, per_sample=self.vmap)
 
-    def _program(self, key: Hashable, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @property
+    def grad_compiler_options(self) -> CompilerOptions | None:
+        """The XLA options of `etrace_grad`'s program without a window: those of
+        `compiler_options` given to `etrax.compile`, or, with ``"auto"`` (the default),
+        `default_compiler_options` of the graph and the rule `etrace_grad` runs (read
+        when the program is built: a rule assigned to `algorithm` gets its own)."""
+        if not self._auto:
+            return self.compiler_options
+        samples = self.batch_size if self.vmap and self.batch_size else 1
+        return default_compiler_options(self.graph, self._driver_rule, samples)
+
+    def _program(
+        self, key: Hashable, fn: Callable[..., Any], options: CompilerOptions | None = None
+    ) -> Callable[..., Any]:
         """`fn` under `jax.jit`, built once per `key`, so that every call of a method
         runs one XLA program (compiled on the first call, then reused) instead of
         several small eager ones (a loss function that cannot be hashed is keyed by
         its identity, `keyed`). At most `MAX_PROGRAMS` are kept (the least recently
         used goes first), so a new loss function per call cannot grow the learner
-        without bound."""
+        without bound. Compiled with `options`, or by default `compiler_options`."""
         program = self._programs.pop(key, None)
         if program is None:
-            options = None if self.compiler_options is None else dict(self.compiler_options)
-            program = jax.jit(fn, compiler_options=options)
+            chosen = self.compiler_options if options is None else options
+            program = jax.jit(fn, compiler_options=None if chosen is None else dict(chosen))
             while len(self._programs) >= MAX_PROGRAMS:
                 del self._programs[next(iter(self._programs))]
         self._programs[key] = program  # the most recently used last
@@ -765,7 +790,8 @@ class OnlineLearner:
             modulators is None, on_host,
         )  # fmt: skip
         before = state_of(self.graph)
-        moving, traces, grads, shown, aux, silent = self._program(key, program)(
+        options = self.grad_compiler_options if window is None else None
+        moving, traces, grads, shown, aux, silent = self._program(key, program, options)(
             before, self.traces, xs, ys, mask, modulators, self.synthesiser
         )
         if synthesising:  # carried to the next call
@@ -1132,14 +1158,17 @@ def compile(
       weights, call ``brainstate.random.seed(s)`` before building the model.
     - `verbose`: print the compilation report.
     - `compiler_options`: XLA options for every program the learner compiles (passed
-      to `jax.jit`), checked here. ``"auto"`` (the default): `default_compiler_options`
-      of the graph, which on the CPU are ``{"xla_cpu_use_fusion_emitters": False}``
-      for a model run on one sample and XLA's defaults otherwise. `None`: XLA's
-      defaults. On the CPU, ``{"xla_cpu_use_fusion_emitters": False}`` compiles the
-      online program in about half the time; with a batch its step then runs slower
-      where ``tanh`` and sigmoids dominate the element-wise work (GRU at batch 32: up
-      to 1.23×) and mostly faster elsewhere (LIF, ALIF, LSTM); see "Shorter compiles
-      on the CPU" in the benchmarks page.
+      to `jax.jit`), checked here. ``"auto"`` (the default): XLA's defaults, but for
+      `etrace_grad`'s program without a window, which gets `default_compiler_options`
+      (on the CPU ``{"xla_cpu_use_fusion_emitters": False}`` for a model run on one
+      sample by a rule whose per-step loop is vector-sized, e.g. the built-in rules
+      with ``chunk_steps`` above 1; `OnlineLearner.grad_compiler_options`). `None`:
+      XLA's defaults. On the CPU, ``{"xla_cpu_use_fusion_emitters": False}`` compiles
+      the online program in about half the time; with a batch its step then runs
+      slower where ``tanh`` and sigmoids dominate the element-wise work (GRU at batch
+      32: up to 1.23×) and mostly faster elsewhere (LIF, ALIF, LSTM), and a loop that
+      updates traces at every step (`etrace_evolve`, ``chunk_steps=1``) runs several
+      times slower; see "Shorter compiles on the CPU" in the benchmarks page.
 
     **Raises:** `TypeError` for an unknown algorithm, a `vmap` that is not a bool or
     `compiler_options` that are not a mapping of names to values, `ValueError` for
@@ -1183,6 +1212,4 @@ def compile(
     if verbose:
         print(CompilationReport(graph))
     check_relations(graph, algo.name)
-    if auto:
-        options = default_compiler_options(graph, batch_size if vmap and batch_size else 1)
-    return OnlineLearner(model, algo, graph, batch_size, vmap, options)
+    return OnlineLearner(model, algo, graph, batch_size, vmap, "auto" if auto else options)

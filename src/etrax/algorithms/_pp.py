@@ -196,6 +196,12 @@ class InputOutput(TraceFactorisation[IOTraces]):
             add_into(out[slot.relation], g)
         return tuple(out)
 
+    def vector_chunks(self, graph: ETraceGraph, rule: LearningRule[IOTraces]) -> bool:
+        # every slot's contraction stacked (`stream_finish`), none on old hidden values
+        perturb = graph.hidden_perturb
+        direct = perturb is not None and bool(perturb.direct_paths)
+        return not direct and all(_stacked(s) for s in plan_of(graph).slots)
+
     def streams(self, graph: ETraceGraph, rule: LearningRule[IOTraces]) -> bool:
         return any(_stacked(s) for s in plan_of(graph).slots)
 

@@ -43,6 +43,7 @@ from ._base import (
     check_relations,
     default_chunk_steps,
 )
+from ._plan import plan_of
 
 __all__ = ["LearningRule", "TraceFactorisation"]
 
@@ -101,6 +102,13 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
         weights: Weights, olds: Sequence[Array] | None, rule: "LearningRule[TraceT]",
     ) -> tuple[TraceT, EffGrads]:  # fmt: skip
         """`OnlineAlgorithm.chunk` for this factorisation."""
+
+    def vector_chunks(self, graph: ETraceGraph, rule: "LearningRule[TraceT]") -> bool:
+        """Whether this factorisation's `chunk` (or streamed chunk) of `rule` on `graph`
+        leaves only work of the size of the hidden states and inputs to each step, every
+        trace-sized term running once per chunk (`OnlineAlgorithm.vector_steps`);
+        `False` unless the factorisation says so."""
+        return False
 
     def streams(self, graph: ETraceGraph, rule: "LearningRule[TraceT]") -> bool:
         """Whether chunks are streamed (`OnlineAlgorithm.streams`); `False` unless the
@@ -223,6 +231,14 @@ class LearningRule(OnlineAlgorithm[TraceT]):
 
     def chunk_for(self, graph: ETraceGraph) -> int:
         return default_chunk_steps(graph) if self.chunk_steps is None else self.chunk_steps
+
+    def vector_steps(self, graph: ETraceGraph) -> bool:
+        # a weight with uses in and out of the traced products adds a per-step term
+        return (
+            self.chunk_for(graph) > 1
+            and not plan_of(graph).overlap
+            and self.factorisation.vector_chunks(graph, self)
+        )
 
     @property
     def needs_modulator(self) -> bool:
