@@ -818,7 +818,8 @@ def test_regions_of_small_models_equal_the_per_step_gradients(
 def test_the_default_chunk_follows_the_device_and_the_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``chunk_steps=None`` (the presets' default) chunks by 32 on the CPU; on an
+    """``chunk_steps=None`` (the presets' default) chunks by 32 on the CPU, but a model
+    of one sample by 64 under the per-parameter rules (D-RTRL, e-prop); on an
     accelerator it runs a model of one sample per step and a batched one in chunks.
     An explicit length is kept everywhere, and the driver runs what `chunk_for` says."""
     one, x1 = build(etrax.nn.GRUCell, 3, 4)
@@ -826,7 +827,10 @@ def test_the_default_chunk_follows_the_device_and_the_batch(
     g1, g2 = etrax.compile_etrace_graph(one, x1), etrax.compile_etrace_graph(many, x2)
     rules: list[etrax.LearningRule[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
     assert all(r.chunk_steps is None and r.chunk_size == 32 for r in rules)
-    assert [r.chunk_for(g) for r in rules for g in (g1, g2)] == [32] * 6
+    assert [r.chunk_for(g) for r in rules for g in (g1, g2)] == [64, 32, 32, 32, 64, 32]
+    assert etrax.algorithms.default_chunk_steps(g1) == 32
+    assert etrax.algorithms.default_chunk_steps(g1, 64) == 64
+    assert etrax.algorithms.default_chunk_steps(g2, 64) == 32
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert [r.chunk_for(g) for r in rules for g in (g1, g2)] == [1, 32] * 3
     assert etrax.DRTRL(chunk_steps=8).chunk_for(g1) == 8

@@ -19,7 +19,13 @@ from ._axes import (
     Sparse,
     Symmetric,
 )
-from ._base import DEFAULT_CHUNK_STEPS, EffGrads, OnlineAlgorithm, default_chunk_steps
+from ._base import (
+    DEFAULT_CHUNK_STEPS,
+    ONE_SAMPLE_CPU_CHUNK_STEPS,
+    EffGrads,
+    OnlineAlgorithm,
+    default_chunk_steps,
+)
 from ._check import (
     GradientCheck,
     ParamCheck,
@@ -68,6 +74,7 @@ __all__ = [
     "DNI",
     "DRTRL",
     "ESDRTRL",
+    "ONE_SAMPLE_CPU_CHUNK_STEPS",
     "ONE_SAMPLE_CPU_OPTIONS",
     "PACK_MAX_BYTES",
     "PRESETS",

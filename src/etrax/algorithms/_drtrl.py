@@ -3,7 +3,7 @@ and hidden state, ``ε ← D ε + x ⊗ df``, contracted with the learning signa
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -14,7 +14,7 @@ from .._errors import CompilationError
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, Kappa, NoFilter, Sparse
-from ._base import EffGrads, Weights, add_into, scan_chunk
+from ._base import ONE_SAMPLE_CPU_CHUNK_STEPS, EffGrads, Weights, add_into, scan_chunk
 from ._kernels import (
     ChunkBackward,
     ChunkParts,
@@ -256,6 +256,8 @@ class PerParameter(TraceFactorisation[ParamTraces]):
         for slot, hood, e in zip(slots, _hoods(graph, rule.scope), eps, strict=True):
             add_into(out[slot.relation], snap_solve(slot, hood, e, signals[slot.group]))
         return tuple(out)
+
+    one_sample_cpu_chunk_steps: ClassVar[int] = ONE_SAMPLE_CPU_CHUNK_STEPS
 
     def vector_chunks(self, graph: ETraceGraph, rule: LearningRule[ParamTraces]) -> bool:
         # the fused chunk (`_chunk_eps`, `_chunk_filtered`) for every slot

@@ -64,8 +64,8 @@ def DRTRL(
       ``1`` runs the per-step form. At most this many: when it does not divide the
       sequence length, a divisor from half of it up is used if there is one, so that
       every chunk is alike and the program is compiled with one chunk body. `None`
-      (default): 32, or ``1`` on a GPU when the model runs on one sample
-      (`default_chunk_steps`). The per-step form compiles fewer kernels (a small GRU
+      (default): 32; when the model runs on one sample, 64 on the CPU and ``1`` on a
+      GPU (`default_chunk_steps`). The per-step form compiles fewer kernels (a small GRU
       on the CPU: 0.6 s instead of 0.9) but runs slower per step there (about 2×):
       worth it only for short runs, where the first compile is most of the time.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
@@ -139,7 +139,7 @@ def EProp(
     - `key`: a PRNG key, required for random feedback.
     - `chunk_steps`: steps the sequence driver re-associates into one fused update, as
       for `DRTRL` (the filter is folded into the chunk exactly); ``1`` runs per step,
-      `None` (default) picks 32 or ``1`` as for `DRTRL`.
+      `None` (default) picks 32, 64 or ``1`` as for `DRTRL`.
     - `trace_dtype`: the dtype traces are stored in (default: the model's).
     """
     kappa = _unit_interval("EProp", "kappa", kappa)

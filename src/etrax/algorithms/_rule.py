@@ -10,7 +10,7 @@ class.
 import abc
 import functools
 from collections.abc import Sequence
-from typing import Any, Generic, SupportsIndex, TypeVar
+from typing import Any, ClassVar, Generic, SupportsIndex, TypeVar
 
 import equinox as eqx
 import jax
@@ -102,6 +102,10 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
         weights: Weights, olds: Sequence[Array] | None, rule: "LearningRule[TraceT]",
     ) -> tuple[TraceT, EffGrads]:  # fmt: skip
         """`OnlineAlgorithm.chunk` for this factorisation."""
+
+    one_sample_cpu_chunk_steps: ClassVar[int] = DEFAULT_CHUNK_STEPS
+    """The chunk length of ``chunk_steps=None`` on the CPU for a model run on one
+    sample (`default_chunk_steps`)."""
 
     def vector_chunks(self, graph: ETraceGraph, rule: "LearningRule[TraceT]") -> bool:
         """Whether this factorisation's `chunk` (or streamed chunk) of `rule` on `graph`
@@ -230,7 +234,9 @@ class LearningRule(OnlineAlgorithm[TraceT]):
         return DEFAULT_CHUNK_STEPS if self.chunk_steps is None else self.chunk_steps
 
     def chunk_for(self, graph: ETraceGraph) -> int:
-        return default_chunk_steps(graph) if self.chunk_steps is None else self.chunk_steps
+        if self.chunk_steps is not None:
+            return self.chunk_steps
+        return default_chunk_steps(graph, self.factorisation.one_sample_cpu_chunk_steps)
 
     def vector_steps(self, graph: ETraceGraph) -> bool:
         # a weight with uses in and out of the traced products adds a per-step term
