@@ -72,7 +72,8 @@ def bench(session: nox.Session) -> None:
     (``nox -s bench -- peer`` runs only the side-by-side comparison with braintrace,
     ``nox -s bench -- scale`` only the hidden-size and depth sweeps, ``nox -s bench --
     chunks`` the per-step time of each online rule by chunk length, ``nox -s bench --
-    compile`` what XLA:CPU's faster-compiling options cost per step).
+    compile`` what XLA:CPU's faster-compiling options cost per step, ``nox -s bench --
+    parts`` where pp-prop's time goes, part by part).
 
     braintrace 0.2.6 is the peer measured by ``benchmarks/bench_peer.py``; it is
     installed here only, never in the test or typecheck environments."""

@@ -1,8 +1,8 @@
 """Run the benchmarks (`nox -s bench`): `python benchmarks/run.py
-[executor|online|peer|chunks|compile|scale ...] [--option ...]`; options (after the
+[executor|online|peer|chunks|compile|parts|scale ...] [--option ...]`; options (after the
 names) go to the suites that take them, e.g. `python benchmarks/run.py peer --matrix
-gpu --out DIR` (see `bench_peer.py`). With no names, every suite but `chunks` and
-`compile` runs."""
+gpu --out DIR` (see `bench_peer.py`). With no names, every suite but `chunks`,
+`compile` and `parts` runs."""
 
 import sys
 from collections.abc import Callable, Sequence
@@ -32,13 +32,19 @@ def _compile(options: Sequence[str]) -> str:
     return bench_compile.run(options)
 
 
+def _parts(options: Sequence[str]) -> str:
+    from benchmarks import bench_parts  # times braintrace's pp-prop beside
+
+    return bench_parts.run(options)
+
+
 def _scale(options: Sequence[str]) -> str:
     from benchmarks import bench_scale  # builds its models with bench_peer's (braintrace)
 
     return bench_scale.run(options)
 
 
-OPT_IN = ("chunks", "compile")
+OPT_IN = ("chunks", "compile", "parts")
 """Suites that run only when named (each re-measures part of `peer` another way)."""
 
 SUITES: dict[str, Callable[[Sequence[str]], str]] = {
@@ -47,6 +53,7 @@ SUITES: dict[str, Callable[[Sequence[str]], str]] = {
     "peer": _peer,
     "chunks": _chunks,
     "compile": _compile,
+    "parts": _parts,
     "scale": _scale,
 }
 
