@@ -929,7 +929,8 @@ def test_auto_compiler_options_keep_xla_defaults_for_per_step_traces(
     assert not rule.vector_steps(learner.graph)
     assert learner.grad_compiler_options is None
     assert etrax.algorithms.default_compiler_options(learner.graph, rule) is None
-    assert etrax.DRTRL().vector_steps(learner.graph)  # the control: a chunked rule's are
+    chunked = (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5))  # the control
+    assert all(r.vector_steps(learner.graph) for r in chunked)
 
 
 def test_auto_compiler_options_are_xla_defaults_off_the_cpu_or_when_asked(
