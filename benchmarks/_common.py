@@ -89,6 +89,19 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line, sep, *body])
 
 
+def write_device_report(
+    out: Path, stem: str, title: str, preamble: str, header: list[str], rows: list[list[str]]
+) -> str:
+    """``# title (platform: device kind)``, `preamble` and the table of `rows`, written to
+    ``out/<stem>_<platform>.md``; returns the text."""
+    device = jax.devices()[0]
+    tag = device.platform
+    text = f"# {title} ({tag}: {device.device_kind})\n\n{preamble}\n\n{table(header, rows)}\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}_{tag}.md").write_text(text)
+    return text
+
+
 def write(name: str, text: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.md"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import jax
 
-from ._common import table
+from ._common import write_device_report
 from .bench_peer import (
     Config,
     Lib,
@@ -75,13 +75,9 @@ def run(argv: Sequence[str] = ()) -> str:
             cells = [f"{t * 1e6:,.1f}" for t in times]
             rows.append([*size, method, *cells, str(chunks[best]), f"{times[best] / forward:.2f}"])
         jax.clear_caches()  # type: ignore[no-untyped-call]  # unannotated in JAX
-    device = jax.devices()[0]
-    tag = device.platform
-    text = (
-        f"# Per-step time by chunk length ({tag}: {device.device_kind})\n\n"
+    preamble = (
         f"jax {jax.__version__}, float32, T = {args.steps}, median of {args.rounds} "
-        "interleaved rounds.\n\n" + table(header, rows) + "\n"
+        "interleaved rounds."
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"chunks_{tag}.md").write_text(text)
-    return text
+    title = "Per-step time by chunk length"
+    return write_device_report(args.out, "chunks", title, preamble, header, rows)

@@ -24,7 +24,7 @@ import jax
 
 import etrax
 
-from ._common import table
+from ._common import write_device_report
 from .bench_peer import (
     MATRICES,
     Config,
@@ -130,15 +130,10 @@ def run(argv: Sequence[str] = ()) -> str:
                 ]
             )
         jax.clear_caches()  # type: ignore[no-untyped-call]  # unannotated in JAX
-    device = jax.devices()[0]
-    tag = device.platform
-    text = (
-        f"# Compiler options: first gradient against step time ({tag}: "
-        f"{device.device_kind})\n\n"
+    preamble = (
         f"jax {jax.__version__}, float32, T = {T}; options {dict(options)!r}; first "
         f"gradient the best of {args.builds} builds from cleared caches; per-step time "
-        f"the median of {args.rounds} interleaved rounds.\n\n" + table(header, rows) + "\n"
+        f"the median of {args.rounds} interleaved rounds."
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"compile_{tag}.md").write_text(text)
-    return text
+    title = "Compiler options: first gradient against step time"
+    return write_device_report(args.out, "compile", title, preamble, header, rows)

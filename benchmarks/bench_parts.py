@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from etrax.algorithms import _drivers, _pp
 
-from ._common import table
+from ._common import write_device_report
 from .bench_peer import (
     Config,
     Data,
@@ -102,16 +102,9 @@ def run(argv: Sequence[str] = ()) -> str:
             + [f"{share:.0%}"]
         )
         jax.clear_caches()  # type: ignore[no-untyped-call]  # unannotated in JAX
-    device = jax.devices()[0]
-    tag = device.platform
-    text = (
-        f"# pp-prop by parts ({tag}: {device.device_kind})\n\n"
+    preamble = (
         f"jax {jax.__version__}, float32, T = {args.steps}, median of {args.rounds} "
         "interleaved rounds. A part is left out by zeroing its result in the traced "
-        "program (the gradients of those variants are wrong: they time the rest).\n\n"
-        + table(header, rows)
-        + "\n"
+        "program (the gradients of those variants are wrong: they time the rest)."
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"parts_{tag}.md").write_text(text)
-    return text
+    return write_device_report(args.out, "parts", "pp-prop by parts", preamble, header, rows)
