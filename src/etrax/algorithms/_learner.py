@@ -353,17 +353,21 @@ class OnlineLearner:
         return default_compiler_options(self.graph, self._driver_rule, samples)
 
     def _program(
-        self, key: Hashable, fn: Callable[..., Any], options: CompilerOptions | None = None
+        self,
+        key: Hashable,
+        fn: Callable[..., Any],
+        options: Callable[[], CompilerOptions | None] | None = None,
     ) -> Callable[..., Any]:
         """`fn` under `jax.jit`, built once per `key`, so that every call of a method
         runs one XLA program (compiled on the first call, then reused) instead of
         several small eager ones (a loss function that cannot be hashed is keyed by
         its identity, `keyed`). At most `MAX_PROGRAMS` are kept (the least recently
         used goes first), so a new loss function per call cannot grow the learner
-        without bound. Compiled with `options`, or by default `compiler_options`."""
+        without bound. Compiled with what `options()` gives (asked only when the
+        program is built), or by default with `compiler_options`."""
         program = self._programs.pop(key, None)
         if program is None:
-            chosen = self.compiler_options if options is None else options
+            chosen = self.compiler_options if options is None else options()
             program = jax.jit(fn, compiler_options=None if chosen is None else dict(chosen))
             while len(self._programs) >= MAX_PROGRAMS:
                 del self._programs[next(iter(self._programs))]
@@ -790,7 +794,7 @@ class OnlineLearner:
             modulators is None, on_host,
         )  # fmt: skip
         before = state_of(self.graph)
-        options = self.grad_compiler_options if window is None else None
+        options = (lambda: self.grad_compiler_options) if window is None else None
         moving, traces, grads, shown, aux, silent = self._program(key, program, options)(
             before, self.traces, xs, ys, mask, modulators, self.synthesiser
         )
