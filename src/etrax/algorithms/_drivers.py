@@ -75,7 +75,7 @@ from ._base import (
 )
 from ._dni import SyntheticGradient
 from ._kernels import instant_contribution, squeezed
-from ._plan import plan_of
+from ._plan import direct_routes, plan_of
 from ._weights import (
     add_param_grads,
     differentiable,
@@ -808,7 +808,7 @@ def _online_impl(
     dtype = jnp.result_type(*jax.tree.leaves(state.hidden))
     K = algo.chunk_for(graph)
 
-    direct = bool(graph.hidden_perturb is not None and graph.hidden_perturb.direct_paths)
+    direct = direct_routes(graph)
 
     # closed over, not carried (`moving_parts`); varying like the carry under shard_map
     params = vary_tree(state.params, state, xs)

@@ -18,7 +18,7 @@ from .._typing import Shape
 from ..compiler import ETraceGraph, HiddenParamOpRelation, ParamUse, UseRule
 from ..ops import ETPRules
 
-__all__ = ["Plan", "Slot", "plan_of"]
+__all__ = ["Plan", "Slot", "direct_routes", "plan_of"]
 
 
 class Slot:
@@ -121,3 +121,10 @@ class Plan:
 def plan_of(graph: ETraceGraph) -> Plan:
     """The graph's `Plan`, computed once per graph (kept in `graph.memo`)."""
     return graph.memo.get("plan", lambda: Plan(graph))
+
+
+def direct_routes(graph: ETraceGraph) -> bool:
+    """Whether some route reaches the loss from the old hidden values within a step (the
+    drivers then contract the traces before each update with those signals too)."""
+    perturb = graph.hidden_perturb
+    return perturb is not None and bool(perturb.direct_paths)

@@ -18,7 +18,7 @@ from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, NoFilter
 from ._base import EffGrads, Weights, add_into, concrete_number, scan_chunk
 from ._kernels import map_extra, matvec, short_sum
-from ._plan import plan_of
+from ._plan import direct_routes, plan_of
 from ._rule import LearningRule, TraceFactorisation
 
 __all__ = ["IOTraces", "InputOutput", "decay_from", "steps_from"]
@@ -198,9 +198,7 @@ class InputOutput(TraceFactorisation[IOTraces]):
 
     def vector_chunks(self, graph: ETraceGraph, rule: LearningRule[IOTraces]) -> bool:
         # every slot's contraction stacked (`stream_finish`), none on old hidden values
-        perturb = graph.hidden_perturb
-        direct = perturb is not None and bool(perturb.direct_paths)
-        return not direct and all(_stacked(s) for s in plan_of(graph).slots)
+        return not direct_routes(graph) and all(_stacked(s) for s in plan_of(graph).slots)
 
     def streams(self, graph: ETraceGraph, rule: LearningRule[IOTraces]) -> bool:
         return any(_stacked(s) for s in plan_of(graph).slots)
