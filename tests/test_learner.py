@@ -658,6 +658,34 @@ def test_bptt_grad_in_the_middle_of_a_sequence_moves_the_traces_on() -> None:
     _close(b.etrace_grad(xs[6:], ys[6:], _sq), want)
 
 
+class _WithUnusedWeight(_LeakyReadout):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = brainstate.ParamState(jnp.ones(6))  # e.g. a head used only elsewhere
+
+
+def test_a_weight_the_step_never_reads_is_reported_and_left_out() -> None:
+    """A `ParamState` that ``update`` never reads has no entry in the learner's
+    parameters or gradients, and the report says so, with what to do (not that its
+    gradient is zero, which would suggest an entry)."""
+    xs, ys = _seq(3, 2)
+    model = _WithUnusedWeight()
+    learner = etrax.compile(model, etrax.DRTRL(), xs[0], batch_size=2)
+    grads = learner.etrace_grad(xs, ys, _sq)
+    assert ("spare",) not in learner.params
+    assert ("spare",) not in grads
+    assert set(grads) == set(learner.params)
+    assert learner.weight_rules()[("spare",)].rule is etrax.WeightRule.UNUSED
+    (record,) = [
+        r
+        for r in learner.graph.explain(kind=etrax.DiagnosticKind.STATE_MISMATCH)
+        if r.weight_path == ("spare",)
+    ]
+    assert record.level is etrax.DiagnosticLevel.WARNING
+    assert "left out of" in record.message and "learner.params" in record.message
+    assert "zero" not in record.message
+
+
 def test_reset_returns_to_the_compiled_batch_size_and_its_initial_values() -> None:
     """``reset()`` defaults to the batch size given to `etrax.compile`, and a hidden
     state that no ``reset_state`` resets gets its initial value back, even after a

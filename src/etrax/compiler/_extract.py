@@ -373,7 +373,13 @@ def _name_states(
                     DiagnosticKind.STATE_MISMATCH,
                     DiagnosticLevel.WARNING if is_weight else DiagnosticLevel.INFO,
                     f"{type(st).__name__} {p} is never read or written by update(); "
-                    + ("its gradient is always zero." if is_weight else "it is ignored."),
+                    + (
+                        "nothing of it is learned: it is left out of the compiled state's "
+                        "params, the gradients and learner.params (read it in update(), or "
+                        "drop it from the model, if that is not intended)."
+                        if is_weight
+                        else "it is ignored."
+                    ),
                     weight_path=p if is_weight else None,
                     direction="retrieved_not_in_compiled",
                 )
