@@ -914,3 +914,88 @@ def test_a_product_summed_in_a_wider_type_stays_exact(positions: tuple[int, ...]
     exact = bptt_grads(model, state, xs, ys, sq)
     for algo in (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp()):
         _close(dict(_online(graph, algo, xs, ys)), exact)
+
+
+class ElementWiseWeights(brainstate.nn.Module):
+    """Plain element-wise weights in the recurrence: a learned decay ``exp(-1/τ) * v``
+    with the same ``τ`` also in the input's scale, per-unit recurrent gains in a gate
+    (``h * u``), an adaptation strength ``β * a`` coupling two hidden states, and a time
+    constant as a divisor (``x @ W / τ``). `form` picks which."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        key = iter(jax.random.split(jax.random.key(11), 6))
+        self.form = form
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(next(key), (3, 4)))
+        self.tau = brainstate.ParamState(jnp.linspace(1.5, 3.0, 4))
+        self.u = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
+        self.beta = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (4,) if batch_size is None else (batch_size, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(shape))
+        self.a = brainstate.HiddenState(jnp.zeros(shape))
+
+    def update(self, x: ArrayLike) -> Array:
+        # the drive is an explicit ETP op, traced whatever the recognition policy
+        h, a, drive = self.h.value, self.a.value, etrax.matmul(jnp.asarray(x), self.W.value)
+        if self.form == "decay":
+            d = jnp.exp(-1.0 / self.tau.value)
+            h = d * h + (1 - d) * drive
+        elif self.form == "gain":
+            z = jax.nn.sigmoid(drive + h * self.u.value)
+            h = z * h + (1 - z) * jnp.tanh(drive)
+        elif self.form == "adaptation":
+            h = 0.9 * h + drive - self.beta.value * a
+            a = 0.8 * a + 0.2 * jnp.tanh(h)
+        else:  # "divisor"
+            h = 0.8 * h + jnp.tanh(drive) / self.tau.value
+        self.h.value, self.a.value = h, a
+        return jnp.tanh(h)
+
+
+ELEMENT_WISE = {"decay": ("tau",), "gain": ("u",), "adaptation": ("beta",), "divisor": ("tau",)}
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=lambda v: f"batch={v}")
+@pytest.mark.parametrize("form", list(ELEMENT_WISE))
+def test_element_wise_weights_are_traced(form: str, batch: int | None) -> None:
+    """A weight vector along the features that meets data in an element-wise product,
+    quotient, sum or difference is read through `etrax.element_wise`, so its effect on
+    the hidden states is traced: D-RTRL is exact over the sequence on these
+    element-wise recurrences (and every rule at T = 1). Negative control: with weight
+    recognition off, the same weight is a plain use with its instantaneous gradient
+    only, reported as such, and D-RTRL then differs from BPTT over the sequence."""
+    model = ElementWiseWeights(form)
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    lead = () if batch is None else (batch,)
+    xs, ys = _sequence((*lead, 3), (*lead, 4), T, seed=5)
+    graph = etrax.compile_etrace_graph(model, xs[0])
+    (path,) = ELEMENT_WISE[form]
+    rules = graph.weight_rules()
+    assert rules[(path,)].rule is etrax.WeightRule.TRACED, rules[(path,)]
+    assert not graph.explain(kind=K.WEIGHT_PLAIN_USE)
+    msgs = [r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED)]
+    assert any("etrax.element_wise" in m and str((path,)) in m for m in msgs), msgs
+    rng = np.random.default_rng(1)
+    start = etrax.state_of(graph)
+    state = start.replace_hidden(
+        {p: jnp.asarray(rng.standard_normal(np.shape(v))) for p, v in start.hidden.items()}
+    )
+
+    def online(g: etrax.ETraceGraph, algo: etrax.OnlineAlgorithm[Any], steps: int) -> Any:
+        tr = algo.init(g, state)
+        return dict(etrax.online_grad(g, algo, state, tr, xs[:steps], ys[:steps], sq).grads)
+
+    exact_1 = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp()):
+        _close(online(graph, algo, 1), exact_1)
+    exact = bptt_grads(model, state, xs, ys, sq)
+    for algo in (etrax.DRTRL(), etrax.DRTRL(chunk_steps=1)):
+        _close(online(graph, algo, T), exact)
+    off = etrax.compile_etrace_graph(
+        model, xs[0], policy=etrax.CompilePolicy(recognise_weight_ops=False)
+    )
+    assert off.weight_rules()[(path,)].reason is K.WEIGHT_PLAIN_USE
+    plain = online(off, etrax.DRTRL(chunk_steps=1), T)
+    assert float(jnp.max(jnp.abs(plain[(path,)] - exact[(path,)]))) > 1e-3

@@ -10,7 +10,10 @@ Three rewrites, each optional through a `CompilePolicy`:
   other operand is data becomes the equivalent ETP op (`etrax.matmul`, `etrax.conv`;
   per-group weights, one batch dimension on each side, `etrax.grouped_matmul`).
   A following ``+ b`` with a weight-valued ``b`` along the output features becomes
-  the op's bias.
+  the op's bias. Any other weight value along the features that meets data in a
+  binary element-wise primitive (a bias ``+ b``, a gain or learned decay ``u * h``, a
+  time constant ``x / τ``; `ELEMENT_WISE_PRIMITIVES`) is read through
+  `etrax.element_wise`, so its effect on the hidden states is traced too.
 - **Fused gates split.** When such an op's output (through element-wise functions of
   it alone, e.g. ``sigmoid``) is only ever cut into parts along its feature axis
   (``jnp.split``, slices), each part becomes its own op on the matching slice of the
@@ -332,17 +335,24 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
     return plans
 
 
+ELEMENT_WISE_PRIMITIVES = frozenset({"add", "sub", "mul", "div", "max", "min"})
+"""The binary element-wise primitives whose weight-valued operand along the output
+features (a bias ``+ b``, a gain or a learned decay ``a * h``, a time constant ``x / τ``)
+is read through `etrax.element_wise`, so that its effect on hidden states is traced."""
+
+
 def _plan_biases(
     jaxpr: Jaxpr, kinds: Mapping[Var, _Kind], plans: Mapping[int, _Fused]
 ) -> dict[int, int]:
-    """``add`` / ``sub`` equations that add a weight-valued bias along the last axis
-    to data (e.g. ``x @ W + h @ U + b``), not already folded into an op: equation
-    index → the bias operand's position."""
+    """Equations of an `ELEMENT_WISE_PRIMITIVES` primitive whose one operand is a
+    weight value along the last axis and whose other is data (e.g. the ``+ b`` of
+    ``x @ W + h @ U + b``, or ``h * u``), not already folded into an op: equation
+    index → the weight operand's position."""
     producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
     absorbed = {i for p in plans.values() for i in p.absorbed}
     found: dict[int, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name not in ("add", "sub") or i in absorbed:
+        if eqn.primitive.name not in ELEMENT_WISE_PRIMITIVES or i in absorbed:
             continue
         k = [_read_kind(kinds, a) for a in eqn.invars]
         if sorted(k) != [_Kind.WEIGHT, _Kind.DATA]:
@@ -632,8 +642,9 @@ class _Rewriter:
         read: Any,
         sources: Mapping[Var, _Sources],
     ) -> list[Any]:
-        """``data ± b`` with the bias read through `etrax.element_wise`, so its effect
-        on hidden states is traced like any ETP op's."""
+        """``data ± b`` (or ``data * b``, …: `ELEMENT_WISE_PRIMITIVES`) with the weight
+        operand read through `etrax.element_wise`, so its effect on hidden states is
+        traced like any ETP op's."""
         from ..ops import element_wise
 
         atom = eqn.invars[slot]
@@ -654,8 +665,13 @@ class _Rewriter:
             record(
                 DiagnosticKind.WEIGHT_OP_RECOGNISED,
                 DiagnosticLevel.INFO,
-                f"{eqn.primitive.name} at {equation_location(eqn)} adds {list(paths)} as a bias; "
-                "recognised as etrax.element_wise.",
+                f"{eqn.primitive.name} at {equation_location(eqn)} "
+                + (
+                    f"adds {list(paths)} as a bias"
+                    if eqn.primitive.name in ("add", "sub")
+                    else f"applies {list(paths)} element-wise"
+                )
+                + "; recognised as etrax.element_wise.",
                 primitive=str(eqn.primitive.name),
                 weight_path=paths[0] if paths else None,
             )
