@@ -920,7 +920,8 @@ class ElementWiseWeights(brainstate.nn.Module):
     """Plain element-wise weights in the recurrence: a learned decay ``exp(-1/τ) * v``
     with the same ``τ`` also in the input's scale, per-unit recurrent gains in a gate
     (``h * u``), an adaptation strength ``β * a`` coupling two hidden states, and a time
-    constant as a divisor (``x @ W / τ``). `form` picks which."""
+    constant as a divisor (``x @ W / τ``); or scalars (one decay, one threshold for
+    every unit, which the primitive broadcasts). `form` picks which."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -930,6 +931,8 @@ class ElementWiseWeights(brainstate.nn.Module):
         self.tau = brainstate.ParamState(jnp.linspace(1.5, 3.0, 4))
         self.u = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
         self.beta = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
+        self.theta = brainstate.ParamState(jnp.asarray(0.3))  # scalars: one for every unit
+        self.tau_s = brainstate.ParamState(jnp.asarray(2.0))
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
         shape = (4,) if batch_size is None else (batch_size, 4)
@@ -948,35 +951,46 @@ class ElementWiseWeights(brainstate.nn.Module):
         elif self.form == "adaptation":
             h = 0.9 * h + drive - self.beta.value * a
             a = 0.8 * a + 0.2 * jnp.tanh(h)
+        elif self.form == "scalars":  # a scalar decay and a scalar threshold
+            d = jnp.exp(-1.0 / self.tau_s.value)
+            h = d * h + jnp.tanh(drive - self.theta.value)
         else:  # "divisor"
             h = 0.8 * h + jnp.tanh(drive) / self.tau.value
         self.h.value, self.a.value = h, a
         return jnp.tanh(h)
 
 
-ELEMENT_WISE = {"decay": ("tau",), "gain": ("u",), "adaptation": ("beta",), "divisor": ("tau",)}
+ELEMENT_WISE = {
+    "decay": ("tau",),
+    "gain": ("u",),
+    "adaptation": ("beta",),
+    "divisor": ("tau",),
+    "scalars": ("tau_s", "theta"),
+}
 
 
 @pytest.mark.parametrize("batch", [None, 2], ids=lambda v: f"batch={v}")
 @pytest.mark.parametrize("form", list(ELEMENT_WISE))
 def test_element_wise_weights_are_traced(form: str, batch: int | None) -> None:
-    """A weight vector along the features that meets data in an element-wise product,
-    quotient, sum or difference is read through `etrax.element_wise`, so its effect on
-    the hidden states is traced: D-RTRL is exact over the sequence on these
-    element-wise recurrences (and every rule at T = 1). Negative control: with weight
-    recognition off, the same weight is a plain use with its instantaneous gradient
-    only, reported as such, and D-RTRL then differs from BPTT over the sequence."""
+    """A weight vector along the features (or a scalar, for every feature) that meets
+    data in an element-wise product, quotient, sum or difference is read through
+    `etrax.element_wise`, so its effect on the hidden states is traced: D-RTRL is
+    exact over the sequence on these element-wise recurrences (and every rule at
+    T = 1). Negative control: with weight recognition off, the same weight is a plain
+    use with its instantaneous gradient only, reported as such, and D-RTRL then
+    differs from BPTT over the sequence."""
     model = ElementWiseWeights(form)
     brainstate.nn.init_all_states(model, batch_size=batch)
     lead = () if batch is None else (batch,)
     xs, ys = _sequence((*lead, 3), (*lead, 4), T, seed=5)
     graph = etrax.compile_etrace_graph(model, xs[0])
-    (path,) = ELEMENT_WISE[form]
+    paths = [(name,) for name in ELEMENT_WISE[form]]
     rules = graph.weight_rules()
-    assert rules[(path,)].rule is etrax.WeightRule.TRACED, rules[(path,)]
-    assert not graph.explain(kind=K.WEIGHT_PLAIN_USE)
     msgs = [r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED)]
-    assert any("etrax.element_wise" in m and str((path,)) in m for m in msgs), msgs
+    for path in paths:
+        assert rules[path].rule is etrax.WeightRule.TRACED, rules[path]
+        assert any("etrax.element_wise" in m and str(path) in m for m in msgs), msgs
+    assert not graph.explain(kind=K.WEIGHT_PLAIN_USE)
     rng = np.random.default_rng(1)
     start = etrax.state_of(graph)
     state = start.replace_hidden(
@@ -996,6 +1010,7 @@ def test_element_wise_weights_are_traced(form: str, batch: int | None) -> None:
     off = etrax.compile_etrace_graph(
         model, xs[0], policy=etrax.CompilePolicy(recognise_weight_ops=False)
     )
-    assert off.weight_rules()[(path,)].reason is K.WEIGHT_PLAIN_USE
     plain = online(off, etrax.DRTRL(chunk_steps=1), T)
-    assert float(jnp.max(jnp.abs(plain[(path,)] - exact[(path,)]))) > 1e-3
+    for path in paths:
+        assert off.weight_rules()[path].reason is K.WEIGHT_PLAIN_USE
+        assert float(jnp.max(jnp.abs(plain[path] - exact[path]))) > 1e-3

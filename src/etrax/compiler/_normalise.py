@@ -253,22 +253,24 @@ def _bias_source(
     jaxpr: Jaxpr, producers: Mapping[Var, int], atom: Any, features: int, out_ndim: int
 ) -> bool:
     """Whether `atom` is a bias along the last axis: shape ``(F,)``, ``(1, …, 1, F)``,
-    or a ``broadcast_in_dim`` of an ``(F,)`` value onto the last axis."""
+    or a ``broadcast_in_dim`` of an ``(F,)`` value onto the last axis; or a scalar,
+    itself or broadcast (one weight for every feature, read as ``F`` equal ones)."""
     if not isinstance(atom, Var):
         return False
     shape = tuple(aval_of(atom).shape)
-    if shape and shape[-1] == features and all(d == 1 for d in shape[:-1]):
+    if not shape:  # a scalar the primitive broadcasts itself
+        return True
+    if shape[-1] == features and all(d == 1 for d in shape[:-1]):
         return len(shape) <= out_ndim
     i = producers.get(atom)
     if i is None:
         return False
     eqn = jaxpr.eqns[i]
-    if eqn.primitive.name != "broadcast_in_dim":
+    if eqn.primitive.name != "broadcast_in_dim" or not isinstance(eqn.invars[0], Var):
         return False
-    src = eqn.invars[0]
-    return tuple(aval_of(src).shape) == (features,) and tuple(
-        eqn.params["broadcast_dimensions"]
-    ) == (len(shape) - 1,)
+    src_shape = tuple(aval_of(eqn.invars[0]).shape)
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    return (src_shape == (features,) and dims == (len(shape) - 1,)) or src_shape == ()
 
 
 def _cut_parts(eqn: JaxprEqn, features: int) -> list[tuple[int, int]] | None:
@@ -501,7 +503,10 @@ class _Rewriter:
         eqn = jaxpr.eqns[plan.anchor]
         x = read(eqn.invars[1 - plan.weight_slot])
         w = read(eqn.invars[plan.weight_slot])
-        bias = None if plan.bias_atom is None else _bias_value(jaxpr, plan.bias_atom, read)
+        features = tuple(aval_of(eqn.outvars[0]).shape)[-1]
+        bias = (
+            None if plan.bias_atom is None else _bias_value(jaxpr, plan.bias_atom, read, features)
+        )
         return eqn, x, w, bias
 
     def _op(
@@ -653,8 +658,9 @@ class _Rewriter:
         if self._first_time(eqn):
             self._note_bias(eqn, paths)
         with equation_context(eqn):
-            bias = element_wise(_bias_value(jaxpr, atom, read))
-            shape = tuple(aval_of(atom).shape)
+            out_shape = tuple(aval_of(eqn.outvars[0]).shape)
+            bias = element_wise(_bias_value(jaxpr, atom, read, out_shape[-1]))
+            shape = tuple(aval_of(atom).shape) or out_shape  # a scalar: to the data's shape
             value = jnp.broadcast_to(bias, shape) if shape != tuple(bias.shape) else bias
             invals = [read(a) for a in eqn.invars]
             invals[slot] = value.astype(aval_of(atom).dtype)
@@ -772,14 +778,18 @@ def _effects(eqn: JaxprEqn) -> bool:
     return bool(getattr(eqn, "effects", None))
 
 
-def _bias_value(jaxpr: Jaxpr, atom: Var, read: Any) -> Any:
-    """The ``(F,)`` bias vector of a planned bias operand."""
+def _bias_value(jaxpr: Jaxpr, atom: Var, read: Any, features: int) -> Any:
+    """The ``(F,)`` bias vector of a planned bias operand (a scalar's broadcast to
+    ``F`` features: the op's weight stays a program of the ParamState leaf, through
+    which `relate` sums its gradient)."""
     shape = tuple(aval_of(atom).shape)
+    if not shape:
+        return jnp.broadcast_to(read(atom), (features,))
     if all(d == 1 for d in shape[:-1]):
         return jnp.reshape(read(atom), (shape[-1],))
     for eqn in jaxpr.eqns:
         if atom in eqn.outvars:
-            return read(eqn.invars[0])
+            return jnp.broadcast_to(read(eqn.invars[0]), (features,))
     raise AssertionError("planned bias has no producer")
 
 
