@@ -187,9 +187,12 @@ class Adaptive(Layer):
 
 
 class LearnedDecay(Layer):
-    """``h ← σ(τ) ⊙ h + tanh(x W + b)`` with a learnable per-unit decay through
-    `element_wise` (the sigmoid inside the op or after it); variants 2, 3, 6, 7 also
-    read ``τ`` in plain JAX for the output ``h ⊙ τ``."""
+    """``h ← σ(τ) ⊙ h + tanh(x W + b)`` with a learnable decay: per unit through
+    `element_wise` (the sigmoid inside the op or after it) in variants 0–3; in plain
+    JAX, which the compiler reads as an element-wise op, in variants 4–7 (per unit in
+    even ones, one scalar for every unit in odd ones); variants 2, 3, 6, 7 also read
+    ``τ`` in plain JAX for the output ``h ⊙ τ`` (variant 5 leaves the per-unit ``τ``
+    unread: reported as unused, and left out of the gradients)."""
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
         super().__init__()
@@ -197,14 +200,19 @@ class LearnedDecay(Layer):
         self.n_out = n
         self.inside = variant % 2 == 0
         self.plain_out = (variant // 2) % 2 == 1
+        self.plain = variant >= 4
         self.fc = _linear(rng, n_in, n)
         self.tau = brainstate.ParamState(_param(rng, (n,)))
+        if self.plain and not self.inside:
+            self.tau_scalar = brainstate.ParamState(_param(rng, ()))
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
         self.h = brainstate.HiddenState(_zeros((self.n,), batch_size))
 
     def update(self, x: ArrayLike) -> Array:
-        if self.inside:
+        if self.plain:
+            decay = jax.nn.sigmoid(self.tau.value if self.inside else self.tau_scalar.value)
+        elif self.inside:
             decay = etrax.element_wise(self.tau.value, weight_fn=_sigmoid)
         else:
             decay = jax.nn.sigmoid(etrax.element_wise(self.tau.value))
