@@ -1014,3 +1014,47 @@ def test_element_wise_weights_are_traced(form: str, batch: int | None) -> None:
     for path in paths:
         assert off.weight_rules()[path].reason is K.WEIGHT_PLAIN_USE
         assert float(jnp.max(jnp.abs(plain[path] - exact[path]))) > 1e-3
+
+
+class ScalarBiasGates(brainstate.nn.Module):
+    """Fused gates with one learned scalar bias for every unit:
+    ``z, c = split(σ(x W + b₀))``, ``h ← z h + (1 − z) c``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(jax.random.key(3), (3, 8)))
+        self.b0 = brainstate.ParamState(jnp.asarray(0.2))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((4,) if batch_size is None else (batch_size, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        z, c = jnp.split(jax.nn.sigmoid(jnp.asarray(x) @ self.W.value + self.b0.value), 2, -1)
+        h = z * self.h.value + (1 - z) * c
+        self.h.value = h
+        return h
+
+
+def test_a_scalar_bias_after_a_fused_gate_product_is_the_ops_bias() -> None:
+    """A scalar bias added after a plain product becomes the recognised op's bias (one
+    value for every output feature), cut with the gates, and is traced: every rule
+    equals BPTT at T = 1 and D-RTRL over the sequence."""
+    model = ScalarBiasGates()
+    brainstate.nn.init_all_states(model, batch_size=2)
+    xs, ys = _sequence((2, 3), (2, 4), T, seed=7)
+    graph = etrax.compile_etrace_graph(model, xs[0])
+    rules = graph.weight_rules()
+    assert rules[("b0",)].rule is rules[("W",)].rule is etrax.WeightRule.TRACED
+    msgs = [r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED)]
+    assert any("as its bias" in m and "2 parts" in m for m in msgs), msgs
+    state = etrax.state_of(graph)
+    state = state.replace_hidden({p: 0.5 + 0 * v for p, v in state.hidden.items()})
+
+    def online(algo: etrax.OnlineAlgorithm[Any], steps: int) -> Any:
+        tr = algo.init(graph, state)
+        return dict(etrax.online_grad(graph, algo, state, tr, xs[:steps], ys[:steps], sq).grads)
+
+    exact_1 = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp()):
+        _close(online(algo, 1), exact_1)
+    _close(online(etrax.DRTRL(chunk_steps=1), T), bptt_grads(model, state, xs, ys, sq))
