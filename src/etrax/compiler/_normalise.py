@@ -249,12 +249,13 @@ def _conv_dims(eqn: JaxprEqn) -> bool:
     return bool(p["dimension_numbers"] == want)
 
 
-def _bias_source(
+def _along_features(
     jaxpr: Jaxpr, producers: Mapping[Var, int], atom: Any, features: int, out_ndim: int
 ) -> bool:
-    """Whether `atom` is a bias along the last axis: shape ``(F,)``, ``(1, …, 1, F)``,
-    or a ``broadcast_in_dim`` of an ``(F,)`` value onto the last axis; or a scalar,
-    itself or broadcast (one weight for every feature, read as ``F`` equal ones)."""
+    """Whether `atom` is a weight value along the last axis (a bias, a gain, a decay):
+    shape ``(F,)``, ``(1, …, 1, F)``, or a ``broadcast_in_dim`` of an ``(F,)`` value
+    onto the last axis; or a scalar, itself or broadcast (one weight for every feature,
+    read as ``F`` equal ones)."""
     if not isinstance(atom, Var):
         return False
     shape = tuple(aval_of(atom).shape)
@@ -327,7 +328,7 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
             other = add.invars[1] if add.invars[0] is out else add.invars[0]
             if (
                 _read_kind(kinds, other) is _Kind.WEIGHT
-                and _bias_source(jaxpr, producers, other, features, len(out_aval.shape))
+                and _along_features(jaxpr, producers, other, features, len(out_aval.shape))
                 and tuple(aval_of(add.outvars[0]).shape) == tuple(out_aval.shape)
             ):
                 fused.bias_eqn, fused.bias_atom = j, other
@@ -343,7 +344,7 @@ features (a bias ``+ b``, a gain or a learned decay ``a * h``, a time constant `
 is read through `etrax.element_wise`, so that its effect on hidden states is traced."""
 
 
-def _plan_biases(
+def _plan_element_wise(
     jaxpr: Jaxpr, kinds: Mapping[Var, _Kind], plans: Mapping[int, _Fused]
 ) -> dict[int, int]:
     """Equations of an `ELEMENT_WISE_PRIMITIVES` primitive whose one operand is a
@@ -363,7 +364,7 @@ def _plan_biases(
         out_shape = tuple(aval_of(eqn.outvars[0]).shape)
         if len(out_shape) == 0 or out_shape[-1] < 2:
             continue
-        if _bias_source(jaxpr, producers, eqn.invars[slot], out_shape[-1], len(out_shape)):
+        if _along_features(jaxpr, producers, eqn.invars[slot], out_shape[-1], len(out_shape)):
             found[i] = slot
     return found
 
@@ -440,7 +441,9 @@ class _Rewriter:
         """Evaluate `jaxpr` on `args`; `where` names the loop or branch it is a body of."""
         kinds, sources = _static_kinds(jaxpr, in_kinds, in_sources)
         plans = _plan(jaxpr, kinds) if self.policy.recognise_weight_ops else {}
-        biases = _plan_biases(jaxpr, kinds, plans) if self.policy.recognise_weight_ops else {}
+        element_wise_uses = (
+            _plan_element_wise(jaxpr, kinds, plans) if self.policy.recognise_weight_ops else {}
+        )
         by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
         by_cut = {c: p for p in plans.values() for c in p.cuts}
         skipped = {i for p in plans.values() for i in p.absorbed} - set(by_emit)
@@ -468,8 +471,9 @@ class _Rewriter:
                 continue
             if i in skipped:
                 continue
-            if i in biases:
-                write(eqn.outvars, self._bias_add(jaxpr, eqn, biases[i], read, sources))
+            if i in element_wise_uses:
+                slot = element_wise_uses[i]
+                write(eqn.outvars, self._element_wise_use(jaxpr, eqn, slot, read, sources))
                 continue
             write(eqn.outvars, self._equation(eqn, read, kinds, sources))
         return [read(a) for a in jaxpr.outvars]
@@ -505,7 +509,9 @@ class _Rewriter:
         w = read(eqn.invars[plan.weight_slot])
         features = tuple(aval_of(eqn.outvars[0]).shape)[-1]
         bias = (
-            None if plan.bias_atom is None else _bias_value(jaxpr, plan.bias_atom, read, features)
+            None
+            if plan.bias_atom is None
+            else _feature_vector(jaxpr, plan.bias_atom, read, features)
         )
         return eqn, x, w, bias
 
@@ -639,7 +645,7 @@ class _Rewriter:
             )
         )
 
-    def _bias_add(
+    def _element_wise_use(
         self,
         jaxpr: Jaxpr,
         eqn: JaxprEqn,
@@ -653,20 +659,20 @@ class _Rewriter:
         from ..ops import element_wise
 
         atom = eqn.invars[slot]
-        assert isinstance(atom, Var)  # `_bias_source` accepts variables only
+        assert isinstance(atom, Var)  # `_along_features` accepts variables only
         paths = self._paths(sources.get(atom, frozenset()))
         if self._first_time(eqn):
-            self._note_bias(eqn, paths)
+            self._note_element_wise(eqn, paths)
         with equation_context(eqn):
             out_shape = tuple(aval_of(eqn.outvars[0]).shape)
-            bias = element_wise(_bias_value(jaxpr, atom, read, out_shape[-1]))
+            weight = element_wise(_feature_vector(jaxpr, atom, read, out_shape[-1]))
             shape = tuple(aval_of(atom).shape) or out_shape  # a scalar: to the data's shape
-            value = jnp.broadcast_to(bias, shape) if shape != tuple(bias.shape) else bias
+            value = jnp.broadcast_to(weight, shape) if shape != tuple(weight.shape) else weight
             invals = [read(a) for a in eqn.invars]
             invals[slot] = value.astype(aval_of(atom).dtype)
             return bind_equation(eqn, invals)
 
-    def _note_bias(self, eqn: JaxprEqn, paths: tuple[Path, ...]) -> None:
+    def _note_element_wise(self, eqn: JaxprEqn, paths: tuple[Path, ...]) -> None:
         self.records.append(
             record(
                 DiagnosticKind.WEIGHT_OP_RECOGNISED,
@@ -778,10 +784,11 @@ def _effects(eqn: JaxprEqn) -> bool:
     return bool(getattr(eqn, "effects", None))
 
 
-def _bias_value(jaxpr: Jaxpr, atom: Var, read: Any, features: int) -> Any:
-    """The ``(F,)`` bias vector of a planned bias operand (a scalar's broadcast to
-    ``F`` features: the op's weight stays a program of the ParamState leaf, through
-    which `relate` sums its gradient)."""
+def _feature_vector(jaxpr: Jaxpr, atom: Var, read: Any, features: int) -> Any:
+    """The ``(F,)`` vector of a weight operand along the features (an op's folded bias,
+    or an element-wise weight of `_plan_element_wise`; a scalar's broadcast to ``F``
+    features: the op's weight stays a program of the ParamState leaf, through which
+    `relate` sums its gradient)."""
     shape = tuple(aval_of(atom).shape)
     if not shape:
         return jnp.broadcast_to(read(atom), (features,))
@@ -790,7 +797,7 @@ def _bias_value(jaxpr: Jaxpr, atom: Var, read: Any, features: int) -> Any:
     for eqn in jaxpr.eqns:
         if atom in eqn.outvars:
             return jnp.broadcast_to(read(eqn.invars[0]), (features,))
-    raise AssertionError("planned bias has no producer")
+    raise AssertionError("planned weight operand has no producer")
 
 
 def _grouped_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
@@ -907,4 +914,4 @@ def _needs_rewrite(
     if not policy.recognise_weight_ops:
         return False
     plans = _plan(jaxpr, kinds)
-    return bool(plans) or bool(_plan_biases(jaxpr, kinds, plans))
+    return bool(plans) or bool(_plan_element_wise(jaxpr, kinds, plans))
