@@ -552,7 +552,9 @@ class FusedGates(Layer):
     Even variants: a GRU with ``x @ Wx + b`` and ``h @ Wh`` each split in three;
     odd variants: an LSTM with one ``[x; h] @ W + b`` split in four (two states).
     ``variant // 2`` picks how the product is spelled (``@``, ``jnp.einsum``,
-    ``jnp.dot`` with the weight stored transposed).
+    ``jnp.dot`` with the weight stored transposed). Variants 6 and 7 cut the gates
+    after a sum of products: an LSTM ``split(x @ Wx + h @ Wh + b, 4)``, and a GRU-like
+    cell with ``split((x @ Wx + h @ Wh + b) * g, 3)`` (a learned gain after the sum).
     """
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
@@ -560,13 +562,16 @@ class FusedGates(Layer):
         self.n = n
         self.n_out = n
         self.lstm = variant % 2 == 1
+        self.summed = variant >= 6
         self.spelling = (variant // 2) % 3
         k = 4 if self.lstm else 3
-        fan_in = n_in + n if self.lstm else n_in
+        fan_in = n_in + n if self.lstm and not self.summed else n_in
         shape = (k * n, fan_in) if self.spelling == 2 else (fan_in, k * n)
         self.wx = brainstate.ParamState(_param(rng, shape))
-        self.wh = brainstate.ParamState(_param(rng, (n, 3 * n)))
+        self.wh = brainstate.ParamState(_param(rng, (n, k * n if self.summed else 3 * n)))
         self.b = brainstate.ParamState(_param(rng, (k * n,), 0.3))
+        if self.summed and not self.lstm:
+            self.g = brainstate.ParamState(1.0 + _param(rng, (k * n,), 0.2))
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
         self.h = brainstate.HiddenState(_zeros((self.n,), batch_size))
@@ -586,7 +591,18 @@ class FusedGates(Layer):
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
         h = self.h.value
-        if self.lstm:
+        if self.summed:
+            pre = self._product(x) + h @ self.wh.value + self.b.value
+            if self.lstm:
+                i, f, o, g = jnp.split(pre, 4, axis=-1)
+                c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
+                new = jax.nn.sigmoid(o) * jnp.tanh(c)
+                self.c.value = c
+            else:
+                r, z, cand = jnp.split(pre * self.g.value, 3, axis=-1)
+                z = jax.nn.sigmoid(z)
+                new = (1.0 - z) * jnp.tanh(cand) + z * jax.nn.sigmoid(r) * h
+        elif self.lstm:
             xh = jnp.concatenate([x, h], axis=-1)
             i, f, o, g = jnp.split(self._product(xh) + self.b.value, 4, axis=-1)
             c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)

@@ -411,6 +411,111 @@ def test_fused_gates_are_traced_part_by_part(cls: type[brainstate.nn.Module]) ->
     )
 
 
+class SummedGates(brainstate.nn.Module):
+    """An LSTM or GRU written as in most JAX code: the products of the input and of the
+    hidden state summed, a bias (and, with ``gain``, a learned gain) added after the
+    sum, and only then the result cut into gates, ``split(x @ Wx + h @ Wh + b, k)``;
+    with ``fused=False``, the same model gate by gate."""
+
+    def __init__(self, kind: str, n_in: int, n: int, fused: bool = True, gain: bool = False):
+        super().__init__()
+        self.kind, self.n, self.fused, self.gain = kind, n, fused, gain
+        k = 4 if kind == "lstm" else 2
+        self.wx = _param(11, (n_in, k * n))
+        self.wh = _param(12, (n, k * n))
+        self.b = _param(13, (k * n,))
+        if gain:
+            self.g = brainstate.ParamState(
+                1.0 + 0.2 * jax.random.normal(jax.random.key(14), (k * n,))
+            )
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
+        self.h = brainstate.HiddenState(jnp.zeros(shape))
+        if self.kind == "lstm":
+            self.c = brainstate.HiddenState(jnp.zeros(shape))
+
+    def _gates(self, x: Array, h: Array) -> list[Array]:
+        wx, wh, b = self.wx.value, self.wh.value, self.b.value
+        g = self.g.value if self.gain else None
+        k = 4 if self.kind == "lstm" else 2
+        if self.fused:
+            s = x @ wx + h @ wh + b
+            return jnp.split(s if g is None else s * g, k, axis=-1)
+        n = self.n
+        parts = []
+        for j in range(k):
+            cols = slice(j * n, (j + 1) * n)
+            s = x @ wx[:, cols] + h @ wh[:, cols] + b[cols]
+            parts.append(s if g is None else s * g[cols])
+        return parts
+
+    def update(self, x: ArrayLike) -> Array:
+        h = self.h.value
+        if self.kind == "lstm":
+            i, f, g, o = self._gates(jnp.asarray(x), h)
+            c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
+            self.c.value = c
+            self.h.value = jax.nn.sigmoid(o) * jnp.tanh(c)
+        else:
+            z, cand = (jax.nn.sigmoid(a) for a in self._gates(jnp.asarray(x), h))
+            self.h.value = z * h + (1.0 - z) * jnp.tanh(cand)
+        return self.h.value
+
+
+@pytest.mark.parametrize(
+    ("kind", "gain", "batch"),
+    [("lstm", False, None), ("gru", True, None), ("lstm", True, 2)],
+    ids=["lstm", "gru-gain", "lstm-gain-b2"],
+)
+def test_gates_cut_after_a_sum_of_products_are_traced(
+    kind: str, gain: bool, batch: int | None
+) -> None:
+    """``split(x @ Wx + h @ Wh + b, k)``: both products are cut part by part, the bias
+    (and gain) after the sum becomes an element-wise op per part; the model learns as
+    its gate-by-gate form does. Before, neither product was cut, no weight reached a
+    hidden state element-wise, and compiling the model was refused."""
+    fused = SummedGates(kind, 3, 4, gain=gain)
+    split = SummedGates(kind, 3, 4, fused=False, gain=gain)
+    brainstate.nn.init_all_states(fused, batch_size=batch)
+    brainstate.nn.init_all_states(split, batch_size=batch)
+    x = jnp.zeros(3 if batch is None else (batch, 3))
+    graph = etrax.compile_etrace_graph(fused, x)
+    k = 4 if kind == "lstm" else 2
+    for path, status in graph.weight_rules().items():
+        assert status.rule is etrax.WeightRule.TRACED, (path, status)
+        assert len(status.uses) == k, (path, status)  # one traced use per gate
+    assert len(graph.hidden_param_op_relations) == k * (4 if gain else 3)
+    xs, ys = _sequence(x.shape, (*x.shape[:-1], 4), 6, seed=9)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(fused, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact)
+    g_split = etrax.compile_etrace_graph(split, x)
+    _close(
+        dict(_online(graph, etrax.DRTRL(), xs, ys)), dict(_online(g_split, etrax.DRTRL(), xs, ys))
+    )
+
+
+def test_gates_whose_sum_is_also_used_whole_are_not_cut() -> None:
+    """The negative control: when the summed products are also used whole (here in a
+    sum over the features), they cannot be computed part by part, and no product is
+    cut; the model is refused as before, with the reason."""
+
+    class Whole(SummedGates):
+        def _gates(self, x: Array, h: Array) -> list[Array]:
+            s = x @ self.wx.value + h @ self.wh.value + self.b.value
+            return [a + 0.01 * jnp.sum(s) for a in jnp.split(s, 4, axis=-1)]
+
+    model = Whole("lstm", 3, 4)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert not any("fused gates" in r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED))
+    assert not graph.hidden_param_op_relations
+    with pytest.raises(etrax.CompilationError, match="no relations"):
+        etrax.compile(model, etrax.DRTRL(), jnp.zeros(3))
+
+
 # ----- control flow -------------------------------------------------------------------
 
 
@@ -921,7 +1026,8 @@ class ElementWiseWeights(brainstate.nn.Module):
     with the same ``τ`` also in the input's scale, per-unit recurrent gains in a gate
     (``h * u``), an adaptation strength ``β * a`` coupling two hidden states, and a time
     constant as a divisor (``x @ W / τ``); or scalars (one decay, one threshold for
-    every unit, which the primitive broadcasts). `form` picks which."""
+    every unit, which the primitive broadcasts; the threshold stored with shape
+    ``(1,)``). `form` picks which."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -931,7 +1037,7 @@ class ElementWiseWeights(brainstate.nn.Module):
         self.tau = brainstate.ParamState(jnp.linspace(1.5, 3.0, 4))
         self.u = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
         self.beta = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
-        self.theta = brainstate.ParamState(jnp.asarray(0.3))  # scalars: one for every unit
+        self.theta = brainstate.ParamState(jnp.asarray([0.3]))  # scalars: one for every unit
         self.tau_s = brainstate.ParamState(jnp.asarray(2.0))
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:

@@ -14,11 +14,14 @@ Three rewrites, each optional through a `CompilePolicy`:
   binary element-wise primitive (a bias ``+ b``, a gain or learned decay ``u * h``, a
   time constant ``x / τ``; `ELEMENT_WISE_PRIMITIVES`) is read through
   `etrax.element_wise`, so its effect on the hidden states is traced too.
-- **Fused gates split.** When such an op's output (through element-wise functions of
-  it alone, e.g. ``sigmoid``) is only ever cut into parts along its feature axis
-  (``jnp.split``, slices), each part becomes its own op on the matching slice of the
-  weight and bias. The parts reach hidden states element-wise, so each is traced;
-  the per-use accounting sums the parts' gradients into the one ParamState.
+- **Fused gates split.** When a value is only ever cut into parts along its feature
+  axis (``jnp.split``, slices) and is computed from such ops through element-wise
+  functions (``sigmoid(x @ Wx + h @ Wh + b)``: the ops' outputs may meet each other,
+  data, constants and weights along the features; `_Region`), each part is computed
+  on its own: every op on the matching slice of its weight and bias, a weight along
+  the features as one `etrax.element_wise` per part, other data sliced. The parts
+  reach hidden states element-wise, so each is traced; the per-use accounting sums
+  the parts' gradients into the one ParamState.
 - **Control flow flattened.** ``lax.cond`` / ``lax.switch`` are if-converted (every
   branch evaluated, the result selected); a ``lax.scan`` (``fori_loop`` with static
   bounds) of at most `CompilePolicy.unroll_limit` steps is unrolled. Longer scans and
@@ -30,6 +33,7 @@ source location, so the result has the same inputs and outputs in the same order
 """
 
 import enum
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -135,15 +139,17 @@ def _static_kinds(
     return kinds, sources
 
 
-_UNARY_CHAIN = frozenset(
+_PART_WISE = frozenset(
     {
         "logistic", "tanh", "exp", "exp2", "log", "log1p", "expm1", "neg", "abs", "sign",
         "sqrt", "rsqrt", "cbrt", "sin", "cos", "erf", "square", "integer_pow", "mul", "add",
         "sub", "div", "max", "min", "pow", "convert_element_type", "copy", "copy_p",
+        "select_n", "clamp", "gt", "lt", "ge", "le", "eq", "ne",
     }
 )  # fmt: skip
-"""Element-wise primitives a fused op's output may pass through before it is split
-(as long as every other operand is a literal)."""
+"""Element-wise primitives that recognised ops' outputs may pass through, alone or
+meeting each other, data, constants or weights along the features, before the result
+is cut into parts along its features: each is evaluated part by part."""
 
 
 @dataclass
@@ -154,7 +160,6 @@ class _Fused:
     weight_slot: int  # which operand of the anchor is the weight
     bias_eqn: int | None = None  # the `add` folded in as the op's bias
     bias_atom: Any = None  # that add's weight-valued operand
-    chain: list[int] = field(default_factory=list)  # element-wise eqns before the split
     cuts: list[int] = field(default_factory=list)  # split / slice eqns that take parts
     grouped: bool = False  # a per-group weight (one batch dimension): grouped_matmul
 
@@ -164,10 +169,23 @@ class _Fused:
 
     @property
     def absorbed(self) -> set[int]:
-        eqns = {self.anchor, *self.chain}
-        if self.bias_eqn is not None:
-            eqns.add(self.bias_eqn)
-        return eqns
+        return {self.anchor} if self.bias_eqn is None else {self.anchor, self.bias_eqn}
+
+
+@dataclass
+class _Region:
+    """Fused gates: recognised ops whose outputs reach one value only through
+    `_PART_WISE` equations (``sigmoid(x @ Wx + h @ Wh + b)``), where that value is only
+    ever cut into parts along its features. Each part is computed from the parts of
+    its inputs: an op on the matching slice of its weight, a slice of data, the slice
+    of a weight along the features read through `etrax.element_wise`."""
+
+    root: Var  # the value the cuts take parts of
+    features: int
+    cuts: list[int]  # split / slice equations on `root`
+    eqns: list[int] = field(default_factory=list)  # evaluated per part, in jaxpr order
+    anchors: dict[Var, int] = field(default_factory=dict)  # an op's output → its anchor
+    weights: dict[Var, int] = field(default_factory=dict)  # weight operand → its equation
 
 
 class _Uses:
@@ -254,24 +272,26 @@ def _along_features(
 ) -> bool:
     """Whether `atom` is a weight value along the last axis (a bias, a gain, a decay):
     shape ``(F,)``, ``(1, …, 1, F)``, or a ``broadcast_in_dim`` of an ``(F,)`` value
-    onto the last axis; or a scalar, itself or broadcast (one weight for every feature,
-    read as ``F`` equal ones)."""
+    onto the last axis; or a scalar (of shape ``()``, ``(1,)``, ``(1, 1)``, …), itself or
+    broadcast (one weight for every feature, read as ``F`` equal ones)."""
     if not isinstance(atom, Var):
         return False
     shape = tuple(aval_of(atom).shape)
-    if not shape:  # a scalar the primitive broadcasts itself
-        return True
+    if all(d == 1 for d in shape):  # a scalar the primitive broadcasts itself
+        return len(shape) <= out_ndim
     if shape[-1] == features and all(d == 1 for d in shape[:-1]):
         return len(shape) <= out_ndim
     i = producers.get(atom)
-    if i is None:
+    if i is None or shape[-1] != features:
         return False
     eqn = jaxpr.eqns[i]
     if eqn.primitive.name != "broadcast_in_dim" or not isinstance(eqn.invars[0], Var):
         return False
     src_shape = tuple(aval_of(eqn.invars[0]).shape)
     dims = tuple(eqn.params["broadcast_dimensions"])
-    return (src_shape == (features,) and dims == (len(shape) - 1,)) or src_shape == ()
+    return (src_shape == (features,) and dims == (len(shape) - 1,)) or all(
+        d == 1 for d in src_shape
+    )
 
 
 def _cut_parts(eqn: JaxprEqn, features: int) -> list[tuple[int, int]] | None:
@@ -332,8 +352,6 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
                 and tuple(aval_of(add.outvars[0]).shape) == tuple(out_aval.shape)
             ):
                 fused.bias_eqn, fused.bias_atom = j, other
-                out = add.outvars[0]
-        _plan_cuts(jaxpr, uses, fused, out, features)
         plans[i] = fused
     return plans
 
@@ -345,14 +363,13 @@ is read through `etrax.element_wise`, so that its effect on hidden states is tra
 
 
 def _plan_element_wise(
-    jaxpr: Jaxpr, kinds: Mapping[Var, _Kind], plans: Mapping[int, _Fused]
+    jaxpr: Jaxpr, kinds: Mapping[Var, _Kind], absorbed: set[int]
 ) -> dict[int, int]:
     """Equations of an `ELEMENT_WISE_PRIMITIVES` primitive whose one operand is a
     weight value along the last axis and whose other is data (e.g. the ``+ b`` of
-    ``x @ W + h @ U + b``, or ``h * u``), not already folded into an op: equation
-    index → the weight operand's position."""
+    ``x @ W + h @ U + b``, or ``h * u``), not `absorbed` into an op or a `_Region`:
+    equation index → the weight operand's position."""
     producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-    absorbed = {i for p in plans.values() for i in p.absorbed}
     found: dict[int, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name not in ELEMENT_WISE_PRIMITIVES or i in absorbed:
@@ -369,32 +386,104 @@ def _plan_element_wise(
     return found
 
 
-def _plan_cuts(jaxpr: Jaxpr, uses: _Uses, fused: _Fused, out: Var, features: int) -> None:
-    """Follow element-wise functions of the op's output to splits along its features."""
-    chain: list[int] = []
-    while True:
-        if out in uses.outputs:
-            return
-        users = sorted(set(uses.consumers.get(out, [])))
-        if not users:
-            return
-        cuts = [u for u in users if _cut_parts(jaxpr.eqns[u], features) is not None]
-        if len(cuts) == len(users) and all(jaxpr.eqns[u].invars[0] is out for u in cuts):
-            fused.chain, fused.cuts = chain, cuts
-            return
-        if len(users) != 1:
-            return
-        eqn = jaxpr.eqns[users[0]]
-        others = [a for a in eqn.invars if a is not out]
-        if (
-            eqn.primitive.name not in _UNARY_CHAIN
-            or len(eqn.outvars) != 1
-            or not all(isinstance(a, Literal) for a in others)
-            or tuple(aval_of(eqn.outvars[0]).shape) != tuple(aval_of(out).shape)
+def _plan_regions(
+    jaxpr: Jaxpr, kinds: Mapping[Var, _Kind], plans: Mapping[int, _Fused]
+) -> list[_Region]:
+    """The `_Region` s of one jaxpr: for every value only ever cut along its last axis,
+    the `_PART_WISE` equations and recognised ops it is computed from part by part."""
+    uses = _Uses(jaxpr)
+    producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    results = {
+        jaxpr.eqns[p.emit_at].outvars[0]: anchor for anchor, p in plans.items() if not p.grouped
+    }
+    regions: list[_Region] = []
+    roots: set[Var] = set()
+    for eqn in jaxpr.eqns:
+        root = eqn.invars[0] if eqn.primitive.name in ("split", "slice") else None
+        if not isinstance(root, Var) or root in roots or root in uses.outputs:
+            continue
+        shape = tuple(aval_of(root).shape)
+        if not shape:
+            continue
+        features = int(shape[-1])
+        users = sorted(set(uses.consumers[root]))
+        if not all(
+            jaxpr.eqns[u].invars[0] is root and _cut_parts(jaxpr.eqns[u], features) is not None
+            for u in users
         ):
-            return
-        chain.append(users[0])
-        out = eqn.outvars[0]
+            continue
+        roots.add(root)
+        region = _Region(root=root, features=features, cuts=users)
+        _grow(jaxpr, kinds, uses, producers, results, region)
+        if region.anchors:
+            region.eqns.sort()
+            regions.append(region)
+            for anchor in region.anchors.values():
+                plans[anchor].cuts = users
+    return regions
+
+
+def _grow(
+    jaxpr: Jaxpr,
+    kinds: Mapping[Var, _Kind],
+    uses: _Uses,
+    producers: Mapping[Var, int],
+    results: Mapping[Var, int],
+    region: _Region,
+) -> None:
+    """Take into `region` every value its root is computed from part by part: a value
+    used only in the region, produced by a recognised op or by a `_PART_WISE` equation
+    whose operands can each be cut (or broadcast to every part). Any other value stays
+    as it is, and is sliced per part. Values are met latest first, so every use of a
+    value in the region is known before the value is."""
+    shape = tuple(aval_of(region.root).shape)
+    taken: set[int] = set(region.cuts)
+    met = {region.root}
+    todo = [(-producers.get(region.root, -1), 0, region.root)]
+    while todo:
+        _, _, var = heapq.heappop(todo)
+        if var is not region.root and not (
+            var not in uses.outputs and set(uses.consumers.get(var, ())) <= taken
+        ):
+            continue  # needed whole elsewhere too
+        if var in results:
+            region.anchors[var] = results[var]
+            continue
+        i = producers.get(var)
+        if i is None:
+            continue
+        eqn = jaxpr.eqns[i]
+        if eqn.primitive.name not in _PART_WISE or len(eqn.outvars) != 1:
+            continue
+        inner: list[Var] = []
+        weights: list[Var] = []
+        for a in eqn.invars:
+            if isinstance(a, Literal):
+                continue
+            s = tuple(aval_of(a).shape)
+            broadcast = not s or (s[-1] == 1 and region.features != 1)
+            if _read_kind(kinds, a) is _Kind.WEIGHT and eqn.primitive.name in (
+                ELEMENT_WISE_PRIMITIVES
+            ):
+                if not _along_features(jaxpr, producers, a, region.features, len(shape)):
+                    break
+                weights.append(a)
+            elif broadcast:
+                continue
+            elif s[-1] != region.features or len(s) != len(shape):
+                break
+            elif _read_kind(kinds, a) is not _Kind.WEIGHT:
+                inner.append(a)
+            else:
+                break  # a weight in a primitive that is not `ELEMENT_WISE_PRIMITIVES`
+        else:
+            taken.add(i)
+            region.eqns.append(i)
+            region.weights.update((a, i) for a in weights)
+            for a in inner:
+                if a not in met:
+                    met.add(a)
+                    heapq.heappush(todo, (-producers.get(a, -1), len(met), a))
 
 
 class _Budget:
@@ -441,12 +530,15 @@ class _Rewriter:
         """Evaluate `jaxpr` on `args`; `where` names the loop or branch it is a body of."""
         kinds, sources = _static_kinds(jaxpr, in_kinds, in_sources)
         plans = _plan(jaxpr, kinds) if self.policy.recognise_weight_ops else {}
+        regions = _plan_regions(jaxpr, kinds, plans) if plans else []
+        absorbed = {i for p in plans.values() for i in p.absorbed}
+        absorbed.update(i for r in regions for i in r.eqns)
         element_wise_uses = (
-            _plan_element_wise(jaxpr, kinds, plans) if self.policy.recognise_weight_ops else {}
+            _plan_element_wise(jaxpr, kinds, absorbed) if self.policy.recognise_weight_ops else {}
         )
         by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
-        by_cut = {c: p for p in plans.values() for c in p.cuts}
-        skipped = {i for p in plans.values() for i in p.absorbed} - set(by_emit)
+        by_cut = {c: r for r in regions for c in r.cuts}
+        skipped = absorbed - set(by_emit)
         self.budget.spend(len(jaxpr.eqns), where)
         env: dict[Var, Any] = {}
 
@@ -462,8 +554,7 @@ class _Rewriter:
         env.update(zip(jaxpr.invars, args, strict=True))
         for i, eqn in enumerate(jaxpr.eqns):
             if i in by_cut:
-                plan = by_cut[i]
-                write(eqn.outvars, self._parts(jaxpr, plan, eqn, read, sources))
+                write(eqn.outvars, self._parts(jaxpr, plans, by_cut[i], eqn, read, sources))
                 continue
             if i in by_emit:
                 plan = by_emit[i]
@@ -578,23 +669,60 @@ class _Rewriter:
     def _parts(
         self,
         jaxpr: Jaxpr,
-        plan: _Fused,
+        plans: Mapping[int, _Fused],
+        region: _Region,
         cut: JaxprEqn,
         read: Any,
         sources: Mapping[Var, _Sources],
     ) -> list[Any]:
-        eqn, x, w, bias = self._operands(jaxpr, plan, read)
-        self._note_recognised(jaxpr, plan, sources)
-        features = int(aval_of(eqn.outvars[0]).shape[-1])
-        ranges = _cut_parts(cut, features)
+        """The parts `cut` takes of `region`'s root, each computed on its own."""
+        from ..ops import element_wise
+
+        operands = {}
+        for var, anchor in region.anchors.items():
+            operands[var] = self._operands(jaxpr, plans[anchor], read)
+            self._note_recognised(jaxpr, plans[anchor], sources)
+        for i in dict.fromkeys(region.weights.values()):
+            eqn = jaxpr.eqns[i]
+            if self._first_time(eqn):
+                atoms = [a for a in eqn.invars if isinstance(a, Var) and region.weights.get(a) == i]
+                paths = self._paths(
+                    frozenset().union(*(sources.get(a, frozenset()) for a in atoms))
+                )
+                self._note_element_wise(eqn, paths)
+        ranges = _cut_parts(cut, region.features)
         assert ranges is not None
         outs = []
-        for part in ranges:
-            y = self._op(eqn, plan.weight_slot, x, w, bias, part)
-            for c in plan.chain:
-                ce = jaxpr.eqns[c]
-                (y,) = bind_equation(ce, [y if isinstance(a, Var) else a.val for a in ce.invars])
-            outs.append(y)
+        for lo, hi in ranges:
+            part: dict[Var, Any] = {}
+
+            def value(atom: Any, lo: int = lo, hi: int = hi, part: dict[Var, Any] = part) -> Any:
+                if isinstance(atom, Literal):
+                    return atom.val
+                if atom in part:
+                    return part[atom]
+                aval = aval_of(atom)
+                shape = tuple(aval.shape)
+                if atom in region.weights:
+                    eqn = jaxpr.eqns[region.weights[atom]]
+                    with equation_context(eqn):
+                        vector = _feature_vector(jaxpr, atom, read, region.features)
+                        weight = element_wise(vector[lo:hi])
+                        ndim = len(aval_of(eqn.outvars[0]).shape)
+                        to = (*shape[:-1], hi - lo) if shape else (*(1,) * (ndim - 1), hi - lo)
+                        return jnp.broadcast_to(weight, to).astype(aval.dtype)
+                whole = read(atom)
+                if shape and shape[-1] == region.features:  # data: its part
+                    return jax.lax.slice_in_dim(whole, lo, hi, axis=len(shape) - 1)
+                return whole  # broadcast to every part
+
+            for var, (eqn, x, w, bias) in operands.items():
+                slot = plans[region.anchors[var]].weight_slot
+                part[var] = self._op(eqn, slot, x, w, bias, (lo, hi))
+            for i in region.eqns:
+                eqn = jaxpr.eqns[i]
+                (part[eqn.outvars[0]],) = bind_equation(eqn, [value(a) for a in eqn.invars])
+            outs.append(part[region.root])
         return outs
 
     def _first_time(self, eqn: JaxprEqn) -> bool:
@@ -666,7 +794,11 @@ class _Rewriter:
         with equation_context(eqn):
             out_shape = tuple(aval_of(eqn.outvars[0]).shape)
             weight = element_wise(_feature_vector(jaxpr, atom, read, out_shape[-1]))
-            shape = tuple(aval_of(atom).shape) or out_shape  # a scalar: to the data's shape
+            shape = tuple(aval_of(atom).shape)
+            if not shape:  # a scalar: to the data's shape
+                shape = out_shape
+            elif all(d == 1 for d in shape):  # (1, …, 1): along the features only
+                shape = (*shape[:-1], out_shape[-1])
             value = jnp.broadcast_to(weight, shape) if shape != tuple(weight.shape) else weight
             invals = [read(a) for a in eqn.invars]
             invals[slot] = value.astype(aval_of(atom).dtype)
@@ -790,13 +922,16 @@ def _feature_vector(jaxpr: Jaxpr, atom: Var, read: Any, features: int) -> Any:
     features: the op's weight stays a program of the ParamState leaf, through which
     `relate` sums its gradient)."""
     shape = tuple(aval_of(atom).shape)
-    if not shape:
-        return jnp.broadcast_to(read(atom), (features,))
+    if all(d == 1 for d in shape):  # a scalar
+        return jnp.broadcast_to(jnp.reshape(read(atom), ()), (features,))
     if all(d == 1 for d in shape[:-1]):
         return jnp.reshape(read(atom), (shape[-1],))
     for eqn in jaxpr.eqns:
         if atom in eqn.outvars:
-            return jnp.broadcast_to(read(eqn.invars[0]), (features,))
+            source = read(eqn.invars[0])
+            if all(d == 1 for d in jnp.shape(source)):
+                source = jnp.reshape(source, ())
+            return jnp.broadcast_to(source, (features,))
     raise AssertionError("planned weight operand has no producer")
 
 
@@ -914,4 +1049,5 @@ def _needs_rewrite(
     if not policy.recognise_weight_ops:
         return False
     plans = _plan(jaxpr, kinds)
-    return bool(plans) or bool(_plan_element_wise(jaxpr, kinds, plans))
+    absorbed = {i for p in plans.values() for i in p.absorbed}
+    return bool(plans) or bool(_plan_element_wise(jaxpr, kinds, absorbed))
