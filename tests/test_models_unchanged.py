@@ -400,12 +400,23 @@ def test_fused_gates_are_traced_part_by_part(cls: type[brainstate.nn.Module]) ->
     n_parts = 6 if cls is FusedGRU else 4
     assert len(graph.hidden_param_op_relations) == n_parts
     xs, ys = _sequence((3,), (4,), 8, seed=5)
+    _learns_like_gate_by_gate(graph, fused, split, xs, ys)
+
+
+def _learns_like_gate_by_gate(
+    graph: etrax.ETraceGraph,
+    fused: brainstate.nn.Module,
+    split: brainstate.nn.Module,
+    xs: Array,
+    ys: Array,
+) -> None:
+    """Every rule equals BPTT at T = 1 on the fused model, and over the whole sequence
+    D-RTRL learns the fused model exactly as the gate-by-gate one."""
     state = etrax.state_of(graph)
     exact = bptt_grads(fused, state, xs[:1], ys[:1], sq)
     for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
         _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact)
-    # over 8 steps the fused model learns exactly like the gate-by-gate one
-    g_split = etrax.compile_etrace_graph(split, x)
+    g_split = etrax.compile_etrace_graph(split, xs[0])
     _close(
         dict(_online(graph, etrax.DRTRL(), xs, ys)), dict(_online(g_split, etrax.DRTRL(), xs, ys))
     )
@@ -487,14 +498,7 @@ def test_gates_cut_after_a_sum_of_products_are_traced(
         assert len(status.uses) == k, (path, status)  # one traced use per gate
     assert len(graph.hidden_param_op_relations) == k * (4 if gain else 3)
     xs, ys = _sequence(x.shape, (*x.shape[:-1], 4), 6, seed=9)
-    state = etrax.state_of(graph)
-    exact = bptt_grads(fused, state, xs[:1], ys[:1], sq)
-    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
-        _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact)
-    g_split = etrax.compile_etrace_graph(split, x)
-    _close(
-        dict(_online(graph, etrax.DRTRL(), xs, ys)), dict(_online(g_split, etrax.DRTRL(), xs, ys))
-    )
+    _learns_like_gate_by_gate(graph, fused, split, xs, ys)
 
 
 def test_gates_whose_sum_is_also_used_whole_are_not_cut() -> None:
