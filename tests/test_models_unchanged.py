@@ -496,6 +496,10 @@ def test_gates_cut_after_a_sum_of_products_are_traced(
     for path, status in graph.weight_rules().items():
         assert status.rule is etrax.WeightRule.TRACED, (path, status)
         assert len(status.uses) == k, (path, status)  # one traced use per gate
+    products = [
+        r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
+    ]
+    assert [r.context_dict["parts"] for r in products] == [k, k]
     assert len(graph.hidden_param_op_relations) == k * (4 if gain else 3)
     xs, ys = _sequence(x.shape, (*x.shape[:-1], 4), 6, seed=9)
     _learns_like_gate_by_gate(graph, fused, split, xs, ys)

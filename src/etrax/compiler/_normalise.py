@@ -756,9 +756,9 @@ class _Rewriter:
         extras = []
         if plan.bias_eqn is not None:
             extras.append("with the following add as its bias")
+        features = int(aval_of(eqn.outvars[0]).shape[-1])
+        n = sum(len(_cut_parts(jaxpr.eqns[c], features) or []) for c in plan.cuts)
         if plan.cuts:
-            features = int(aval_of(eqn.outvars[0]).shape[-1])
-            n = sum(len(_cut_parts(jaxpr.eqns[c], features) or []) for c in plan.cuts)
             extras.append(f"cut into {n} parts along its features (fused gates), one op each")
         extra = f" ({'; '.join(extras)})" if extras else ""
         self.records.append(
@@ -769,7 +769,7 @@ class _Rewriter:
                 f"recognised as {op}{extra}.",
                 primitive=str(eqn.primitive.name),
                 weight_path=paths[0] if paths else None,
-                parts=len(plan.cuts),
+                parts=n,  # ops it becomes, one per part (0: not cut)
             )
         )
 
