@@ -524,6 +524,58 @@ def test_gates_whose_sum_is_also_used_whole_are_not_cut() -> None:
         etrax.compile(model, etrax.DRTRL(), jnp.zeros(3))
 
 
+class SparseRecurrence(brainstate.nn.Module):
+    """A recurrent weight in CSR form, ``h ← tanh(Linear(x) + SparseLinear(h))``: the
+    CSR product's primitive has no batching rule, so `jax.vmap` cannot map it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        dense = (
+            0.8
+            * jax.random.normal(jax.random.key(21), (4, 4))
+            * jnp.eye(4)[jnp.array([1, 2, 3, 0])]
+        )
+        self.lx = brainstate.nn.Linear(3, 4)
+        self.rec = brainstate.nn.SparseLinear(u.sparse.CSR.fromdense(dense))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((4,) if batch_size is None else (batch_size, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        h: Array = jnp.tanh(self.lx(x) + self.rec(self.h.value))
+        self.h.value = h
+        return h
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=lambda v: f"batch={v}")
+def test_a_primitive_without_a_batching_rule_in_the_recurrence(batch: int | None) -> None:
+    """The Jacobians etrax takes through the step (the transition's, its diagonal, the
+    deferred instantaneous gradients) fall back from `jax.vmap` to `jax.lax.map` when
+    a primitive of the step has no batching rule. Before, the first gradient call
+    raised JAX's ``NotImplementedError`` (no batching rule for ``csr_matvec``)."""
+    model = SparseRecurrence()
+    lead = () if batch is None else (batch,)
+    with pytest.raises(NotImplementedError, match="Batching rule"):  # the control
+        jax.vmap(model.rec)(jnp.ones((2, *lead, 4)))
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    xs, ys = _sequence((*lead, 3), (*lead, 4), 4, seed=2)
+    graph = etrax.compile_etrace_graph(model, xs[0])
+    assert graph.weight_rules()[("rec", "weight")].reason is K.WEIGHT_PLAIN_USE
+    exact = bptt_grads(model, etrax.state_of(graph), xs[:1], ys[:1], sq)
+    rules = (etrax.DRTRL(), etrax.DRTRL(chunk_steps=1), etrax.PPProp(0.9), etrax.EProp())
+    for algo in rules:
+        _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact)
+    for algo in (etrax.DRTRL(), etrax.PPProp(0.9)):  # the learner's path, over 4 steps
+        learner = etrax.compile(model, algo, xs[0], batch_size=batch)
+        grads = learner.etrace_grad(xs, ys, sq)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    if batch is None:  # a learner that maps the one-sample model over a batch cannot
+        mapped = etrax.compile(model, etrax.DRTRL(), jnp.zeros((2, 3)), batch_size=2, vmap=True)
+        xb, yb = _sequence((2, 3), (2, 4), 4, seed=3)
+        with pytest.raises(etrax.NotSupportedError, match=r"no batching rule.*without vmap=True"):
+            mapped.etrace_grad(xb, yb, sq)
+
+
 # ----- control flow -------------------------------------------------------------------
 
 

@@ -254,6 +254,53 @@ def vary_tree(tree: Any, *likes: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def _no_batching_rule(error: NotImplementedError) -> bool:
+    """Whether `error` is JAX's report of a primitive with no batching rule (such as
+    `jax.experimental.sparse`'s ``csr_matvec``), which `jax.vmap` cannot map."""
+    return "Batching rule for" in str(error)
+
+
+def map_over(
+    fn: Callable[..., Any],
+    *args: Any,
+    axis: int = 0,
+    out_axis: int = 0,
+    axis_size: int | None = None,
+) -> Any:
+    """``jax.vmap(fn, axis, out_axis, axis_size)(*args)`` (every leaf of `args` mapped
+    along `axis`). Where `fn` binds a primitive with no batching rule, the same
+    result from `jax.lax.map`: one application per index, in sequence."""
+    try:
+        return jax.vmap(fn, in_axes=axis, out_axes=out_axis, axis_size=axis_size)(*args)
+    except NotImplementedError as error:
+        if not _no_batching_rule(error):
+            raise
+    moved = jax.tree.map(lambda a: jnp.moveaxis(a, axis, 0), args)
+    if jax.tree.leaves(moved):
+        out = jax.lax.map(lambda xs: fn(*xs), moved)
+    else:  # nothing to map over but the count
+        assert axis_size is not None
+        out = jax.lax.map(lambda _: fn(*args), jnp.arange(axis_size))
+    return jax.tree.map(lambda o: jnp.moveaxis(o, 0, out_axis), out)
+
+
+def jacobian(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``jax.jacfwd(fn)(x)``, shaped ``(*out, *x.shape)``. Where `fn` binds a primitive
+    with no batching rule, the same columns from one `jax.jvp` per input element under
+    `jax.lax.map`."""
+    try:
+        jac: jax.Array = jax.jacfwd(fn)(x)
+        return jac
+    except NotImplementedError as error:
+        if not _no_batching_rule(error):
+            raise
+    n = math.prod(x.shape)
+    basis = vary_like(jnp.eye(n, dtype=x.dtype).reshape((n, *x.shape)), x)
+    cols = jax.lax.map(lambda v: jax.jvp(fn, (x,), (v,))[1], basis)  # (n, *out)
+    out_shape = cols.shape[1:]
+    return jnp.moveaxis(cols, 0, -1).reshape((*out_shape, *x.shape))
+
+
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     bound = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bound, tuple):  # older JAX: (subfuns, params)

@@ -3,6 +3,7 @@
 from typing import Any
 
 from . import math as math
+from . import sparse as sparse
 
 class Unit:
     def __mul__(self, other: Any) -> Any: ...

@@ -31,6 +31,7 @@ from .._compat import (
     bind_equation,
     equation_location,
     forward_mode,
+    map_over,
     not_differentiable,
     shape_struct,
     struct_of,
@@ -504,7 +505,7 @@ def _region_cotangents(
     steps, rest = stacked[0].shape[0], stacked[starts:]
 
     def mapped(start: list[Array]) -> list[Array]:
-        return jax.vmap(run, axis_size=steps)(start, rest)
+        return map_over(run, start, rest, axis_size=steps)  # type: ignore[no-any-return]
 
     _, vjp = jax.vjp(mapped, stacked[:starts])
     (g,) = vjp([_kept(d.cotangents[n]) for _, _, n in region.frontier])
@@ -581,7 +582,7 @@ def _mapped_equation(
     eqn: Any, slot: int, inputs: list[Array | None], stacked: list[Array], steps: int, w: Array
 ) -> Any:
     one = functools.partial(_equation_at, eqn, slot, inputs, w)
-    return jax.vmap(one, axis_size=steps)(*stacked)
+    return map_over(one, *stacked, axis_size=steps)
 
 
 def _stacked_use_grad(

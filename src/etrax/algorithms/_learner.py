@@ -22,7 +22,12 @@ from jaxtyping import Array
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .._compat import constant_outputs, is_prng_key, is_tracer
-from .._errors import InputStructureError, SilentNetworkWarning, StepInputError
+from .._errors import (
+    InputStructureError,
+    NotSupportedError,
+    SilentNetworkWarning,
+    StepInputError,
+)
 from .._pathdict import PathDict
 from .._typing import ArrayTree, Path, PyTree
 from ..compiler import (
@@ -396,9 +401,19 @@ class OnlineLearner:
             return new.hidden, PathDict((p, new.other[p]) for p in written), tr, out
 
         traces_axes = None if traces is None else 0
-        hidden, mapped, traces, out = jax.vmap(one, in_axes=(0, other_axes, traces_axes, seq_axes))(
-            state.hidden, state.other, traces, seq
-        )
+        try:
+            hidden, mapped, traces, out = jax.vmap(
+                one, in_axes=(0, other_axes, traces_axes, seq_axes)
+            )(state.hidden, state.other, traces, seq)
+        except NotImplementedError as error:
+            if "Batching rule for" not in str(error):
+                raise
+            raise NotSupportedError(
+                f"vmap=True maps update() over the batch with jax.vmap, but {error} "
+                "(a primitive of the step has no batching rule). Compile the batched "
+                "model instead: brainstate.nn.init_all_states(model, batch_size=B), then "
+                "etrax.compile(model, rule, x, batch_size=B) without vmap=True."
+            ) from None
         other = PathDict((p, mapped[p] if p in written else v) for p, v in state.other.items())
         return ModelState(state.params, hidden, other), traces, out
 

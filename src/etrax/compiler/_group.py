@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._compat import Var, equation_location, vary_like
+from .._compat import Var, equation_location, jacobian, map_over, vary_like
 from .._errors import NotSupportedError
 from .._typing import Path, Shape, VarId
 from ._analysis import Analyses, StepAnalysis, analyse_step
@@ -168,9 +168,9 @@ class HiddenGroup(eqx.Module):
             basis = vary_like(
                 jnp.broadcast_to(jnp.eye(S, dtype=slab.dtype), (*self.varshape, S, S)), slab
             )
-            return jax.vmap(lin, in_axes=-1, out_axes=-1)(basis)  # type: ignore[no-any-return]
+            return map_over(lin, basis, axis=-1, out_axis=-1)  # type: ignore[no-any-return]
         P = int(np.prod(self.varshape, dtype=np.int64))
-        full: Array = jax.jacfwd(fn)(slab).reshape(P, S, P, S)
+        full: Array = jacobian(fn, slab).reshape(P, S, P, S)
         idx = jnp.arange(P)
         return full[idx, :, idx, :].reshape(*self.varshape, S, S)
 

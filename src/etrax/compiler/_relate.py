@@ -30,6 +30,7 @@ from .._compat import (
     Var,
     aval_of,
     equation_location,
+    jacobian,
     struct_of,
     vary_like,
 )
@@ -147,7 +148,7 @@ class RelationTail(eqx.Module):
             return df  # type: ignore[no-any-return]
         P = int(np.prod(group.varshape, dtype=np.int64))
         PY = int(np.prod(y.shape, dtype=np.int64))
-        full: Array = jax.jacfwd(fn)(y).reshape(P, group.num_state, PY)
+        full: Array = jacobian(fn, y).reshape(P, group.num_state, PY)
         idx = jnp.arange(P)
         return full[idx, :, idx % PY].reshape(*group.varshape, group.num_state)
 

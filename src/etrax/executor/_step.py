@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._compat import vary_like
+from .._compat import jacobian, vary_like
 from .._errors import StepInputError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree, VarId
@@ -95,7 +95,7 @@ class StepPoint(eqx.Module):
     def transition_jacobian(self, graph: ETraceGraph, index: int) -> Array:
         """The group's whole within-group transition ``∂h^t/∂h^{t-1}`` (through every
         op, weight ops included), ``(*varshape, S, *varshape, S)``, with no gradient."""
-        jac: Array = jax.jacfwd(self.group_step(graph, index))(self.group_slab(graph, index))
+        jac: Array = jacobian(self.group_step(graph, index), self.group_slab(graph, index))
         return jax.lax.stop_gradient(jac)
 
     def transition_jvp(self, graph: ETraceGraph, index: int, tangent: Array) -> Array:
@@ -302,9 +302,7 @@ _forward_jit = jax.jit(forward_pure, static_argnums=0)
 _step_jit = jax.jit(step_pure, static_argnums=(0, 3))
 
 
-def _validate(
-    graph: ETraceGraph, state: ModelState, x: Any
-) -> tuple[ModelState, tuple[Any, ...]]:
+def _validate(graph: ETraceGraph, state: ModelState, x: Any) -> tuple[ModelState, tuple[Any, ...]]:
     require_graph(graph, "the step")
     state_obj: object = state
     if not isinstance(state_obj, ModelState):
