@@ -576,6 +576,32 @@ def test_a_primitive_without_a_batching_rule_in_the_recurrence(batch: int | None
             mapped.etrace_grad(xb, yb, sq)
 
 
+def test_jacobians_and_maps_fall_back_to_lax_map_without_a_batching_rule() -> None:
+    """`etrax._compat.jacobian` and `map_over` (the Jacobians etrax takes through a
+    step) give `jax.jacfwd`'s and `jax.vmap`'s results for a function whose primitive
+    (here `jax.experimental.sparse`'s ``csr_matvec``) has no batching rule."""
+    from jax.experimental import sparse
+
+    from etrax._compat import jacobian, map_over
+
+    dense = jnp.arange(12.0).reshape(4, 3) / 7
+    mat = sparse.CSR.fromdense(dense)  # type: ignore[no-untyped-call]  # unannotated in JAX
+
+    def f(v: Array) -> Array:
+        return jnp.tanh(mat @ v)
+
+    def g(v: Array) -> Array:
+        return jnp.tanh(dense @ v)
+
+    v = jnp.linspace(-1.0, 1.0, 3)
+    with pytest.raises(NotImplementedError, match="Batching rule"):  # the control
+        jax.jacfwd(f)(v)
+    np.testing.assert_allclose(jacobian(f, v), jax.jacfwd(g)(v), rtol=0, atol=1e-12)
+    columns = jnp.arange(6.0).reshape(3, 2) / 5  # mapped along the last axis
+    want = jax.vmap(g, in_axes=-1, out_axes=-1)(columns)
+    np.testing.assert_allclose(map_over(f, columns, axis=-1, out_axis=-1), want, atol=1e-12)
+
+
 # ----- control flow -------------------------------------------------------------------
 
 
