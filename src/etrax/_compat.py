@@ -254,7 +254,7 @@ def vary_tree(tree: Any, *likes: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
-def _no_batching_rule(error: NotImplementedError) -> bool:
+def no_batching_rule(error: NotImplementedError) -> bool:
     """Whether `error` is JAX's report of a primitive with no batching rule (such as
     `jax.experimental.sparse`'s ``csr_matvec``), which `jax.vmap` cannot map."""
     return "Batching rule for" in str(error)
@@ -273,7 +273,7 @@ def map_over(
     try:
         return jax.vmap(fn, in_axes=axis, out_axes=out_axis, axis_size=axis_size)(*args)
     except NotImplementedError as error:
-        if not _no_batching_rule(error):
+        if not no_batching_rule(error):
             raise
     moved = jax.tree.map(lambda a: jnp.moveaxis(a, axis, 0), args)
     if jax.tree.leaves(moved):
@@ -292,7 +292,7 @@ def jacobian(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
         jac: jax.Array = jax.jacfwd(fn)(x)
         return jac
     except NotImplementedError as error:
-        if not _no_batching_rule(error):
+        if not no_batching_rule(error):
             raise
     n = math.prod(x.shape)
     basis = vary_like(jnp.eye(n, dtype=x.dtype).reshape((n, *x.shape)), x)

@@ -21,7 +21,7 @@ import numpy as np
 from jaxtyping import Array
 
 from .._checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from .._compat import constant_outputs, is_prng_key, is_tracer
+from .._compat import constant_outputs, is_prng_key, is_tracer, no_batching_rule
 from .._errors import (
     InputStructureError,
     NotSupportedError,
@@ -406,7 +406,7 @@ class OnlineLearner:
                 one, in_axes=(0, other_axes, traces_axes, seq_axes)
             )(state.hidden, state.other, traces, seq)
         except NotImplementedError as error:
-            if "Batching rule for" not in str(error):
+            if not no_batching_rule(error):
                 raise
             raise NotSupportedError(
                 f"vmap=True maps update() over the batch with jax.vmap, but {error} "

@@ -676,8 +676,6 @@ class _Rewriter:
         sources: Mapping[Var, _Sources],
     ) -> list[Any]:
         """The parts `cut` takes of `region`'s root, each computed on its own."""
-        from ..ops import element_wise
-
         operands = {}
         for var, anchor in region.anchors.items():
             operands[var] = self._operands(jaxpr, plans[anchor], read)
@@ -701,16 +699,11 @@ class _Rewriter:
                     return atom.val
                 if atom in part:
                     return part[atom]
-                aval = aval_of(atom)
-                shape = tuple(aval.shape)
+                shape = tuple(aval_of(atom).shape)
                 if atom in region.weights:
                     eqn = jaxpr.eqns[region.weights[atom]]
                     with equation_context(eqn):
-                        vector = _feature_vector(jaxpr, atom, read, region.features)
-                        weight = element_wise(vector[lo:hi])
-                        ndim = len(aval_of(eqn.outvars[0]).shape)
-                        to = (*shape[:-1], hi - lo) if shape else (*(1,) * (ndim - 1), hi - lo)
-                        return jnp.broadcast_to(weight, to).astype(aval.dtype)
+                        return _element_wise_weight(jaxpr, eqn, atom, read, (lo, hi))
                 whole = read(atom)
                 if shape and shape[-1] == region.features:  # data: its part
                     return jax.lax.slice_in_dim(whole, lo, hi, axis=len(shape) - 1)
@@ -784,24 +777,14 @@ class _Rewriter:
         """``data ± b`` (or ``data * b``, …: `ELEMENT_WISE_PRIMITIVES`) with the weight
         operand read through `etrax.element_wise`, so its effect on hidden states is
         traced like any ETP op's."""
-        from ..ops import element_wise
-
         atom = eqn.invars[slot]
         assert isinstance(atom, Var)  # `_along_features` accepts variables only
         paths = self._paths(sources.get(atom, frozenset()))
         if self._first_time(eqn):
             self._note_element_wise(eqn, paths)
         with equation_context(eqn):
-            out_shape = tuple(aval_of(eqn.outvars[0]).shape)
-            weight = element_wise(_feature_vector(jaxpr, atom, read, out_shape[-1]))
-            shape = tuple(aval_of(atom).shape)
-            if not shape:  # a scalar: to the data's shape
-                shape = out_shape
-            elif all(d == 1 for d in shape):  # (1, …, 1): along the features only
-                shape = (*shape[:-1], out_shape[-1])
-            value = jnp.broadcast_to(weight, shape) if shape != tuple(weight.shape) else weight
             invals = [read(a) for a in eqn.invars]
-            invals[slot] = value.astype(aval_of(atom).dtype)
+            invals[slot] = _element_wise_weight(jaxpr, eqn, atom, read, None)
             return bind_equation(eqn, invals)
 
     def _note_element_wise(self, eqn: JaxprEqn, paths: tuple[Path, ...]) -> None:
@@ -914,6 +897,25 @@ class _Rewriter:
 
 def _effects(eqn: JaxprEqn) -> bool:
     return bool(getattr(eqn, "effects", None))
+
+
+def _element_wise_weight(
+    jaxpr: Jaxpr, eqn: JaxprEqn, atom: Var, read: Any, part: tuple[int, int] | None
+) -> Any:
+    """Weight operand `atom` of `eqn` (along its output's features, `_along_features`)
+    read through `etrax.element_wise`: the whole feature vector, or its `part`, shaped
+    to broadcast as `atom` did (a scalar to the data's shape)."""
+    from ..ops import element_wise
+
+    out_shape = tuple(aval_of(eqn.outvars[0]).shape)
+    vector = _feature_vector(jaxpr, atom, read, out_shape[-1])
+    if part is not None:
+        vector = vector[part[0] : part[1]]
+    weight = element_wise(vector)
+    shape = tuple(aval_of(atom).shape)
+    to = (*(shape or out_shape)[:-1], weight.shape[-1])
+    value = weight if to == tuple(weight.shape) else jnp.broadcast_to(weight, to)
+    return value.astype(aval_of(atom).dtype)
 
 
 def _feature_vector(jaxpr: Jaxpr, atom: Var, read: Any, features: int) -> Any:
