@@ -220,14 +220,14 @@ def _streamed(
     weights: Any,
 ) -> tuple[Any, Any]:
     """Traces and summed gradients of `stream_step` over the steps, then `stream_finish`
-    on what the steps kept, stacked."""
+    on the last traces and what the steps kept, stacked."""
     streamed: Any = None
     saved = []
     for jac, sig, old in steps:
         traces, now, keep = step(graph, traces, jac, sig, weights, old)
         streamed = now if streamed is None else jax.tree.map(jnp.add, streamed, now)
         saved.append(keep)
-    rest = finish(graph, _stack(saved), weights)
+    rest = finish(graph, traces, _stack(saved), weights)
     total = tuple(
         {k: v.get(k, 0.0) + r.get(k, 0.0) for k in v.keys() | r.keys()}
         for v, r in zip(streamed, rest, strict=True)

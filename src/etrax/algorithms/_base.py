@@ -328,9 +328,12 @@ class OnlineAlgorithm(eqx.Module, Generic[TraceT]):
         `stream_finish`. By default the per-step form: `eff_grads`, nothing kept."""
         return self.eff_grads(graph, traces, signals, weights), ()
 
-    def stream_finish(self, graph: ETraceGraph, saved: PyTree, weights: Weights) -> EffGrads:
+    def stream_finish(
+        self, graph: ETraceGraph, traces: TraceT, saved: PyTree, weights: Weights
+    ) -> EffGrads:
         """The rest of a streamed chunk's gradients, from `stream_step`'s `saved` outputs
-        stacked over the chunk's steps (leading axis); none by default."""
+        stacked over the chunk's steps (leading axis) and the `traces` after its last
+        step; none by default."""
         return tuple({} for _ in graph.hidden_param_op_relations)
 
     def grads(

@@ -395,9 +395,10 @@ def _with_inputs(graph: ETraceGraph, d: Deferred | None, jacs: StepJacobians) ->
 def deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
     """The instant equations whose weights' instantaneous gradients the chunked driver
     forms once per chunk, as one product over the stacked steps: those whose weights
-    hold more elements than the per-step operands and output cotangents kept for it
-    (a readout to a few outputs, say, is cheaper to contract at every step than to
-    stack)."""
+    hold at least as many elements as the per-step operands and output cotangents kept
+    for it (a batched readout to a few outputs, say, is cheaper to contract at every
+    step than to stack; on one sample, a readout to one output keeps as many elements
+    as its weights, and stacking them saves the step its accumulating kernels)."""
     return graph.memo.get("deferred_eqns", lambda: _deferred_eqns(graph))
 
 
@@ -415,7 +416,7 @@ def _deferred_eqns(graph: ETraceGraph) -> frozenset[int]:
         kept[i] += math.prod(struct_of(eqns[i].invars[p]).shape)
     for i, slots in zip(hp.instant_eqns, hp.eps_slots, strict=True):
         kept[i] += sum(math.prod(hp.eps_shapes[e]) for e in slots if e is not None)
-    return frozenset(i for i in hp.instant_eqns if weights.get(i, 0) > kept[i])
+    return frozenset(i for i in hp.instant_eqns if weights.get(i, 0) >= kept[i])
 
 
 def regions_of(graph: ETraceGraph) -> dict[int, Region]:
@@ -865,7 +866,7 @@ def _online_impl(
             if streamed:  # one scan; only what the stacked products need is kept per step
                 carry, (loss, deferred, saved) = _packed_scan(stream_step, carry, inp)
                 st, tr, acc_eff, acc_pi, acc_sub = carry
-                acc_eff = add_eff(acc_eff, algo.stream_finish(graph, saved, weights))
+                acc_eff = add_eff(acc_eff, algo.stream_finish(graph, tr, saved, weights))
             else:  # the chunk's Jacobians stacked, for the rule's re-associated update
                 st, tr, acc_eff, acc_pi, acc_sub = carry
                 (st, acc_pi, acc_sub), (loss, jacs, sigs, olds, deferred) = _packed_scan(

@@ -168,10 +168,16 @@ class InputOutput(TraceFactorisation[IOTraces]):
 
     def _signal(self, traces: IOTraces, k: int, L: Array) -> Array:
         """``Σ_a ε_f[a] L[a] / c`` for slot ``k``, with the bias correction ``c``."""
-        ef = traces.f[k]
-        n = jnp.maximum(traces.count, 1).astype(ef.dtype)
+        return self._corrected(traces.f[k], L, traces.count)
+
+    def _corrected(self, ef: Array, L: Array, count: Array) -> Array:
+        """``Σ_a ε_f[a] L[a] / c`` with ``c = 1 − a^n`` for ``n = max(count, 1)`` trace
+        steps; with stacked steps (leading axis), `count` holds each step's."""
+        n = jnp.maximum(count, 1).astype(ef.dtype)
         correction = 1.0 - jnp.asarray(self.decay, ef.dtype) ** n
-        return short_sum(ef * L) / jnp.maximum(correction, 1e-12)
+        summed = short_sum(ef * L)
+        correction = correction.reshape(correction.shape + (1,) * (summed.ndim - n.ndim))
+        return summed / jnp.maximum(correction, 1e-12)
 
     def _slot_grads(
         self, traces: IOTraces, k: int, slot: Any, L: Array, weights: Weights
@@ -208,27 +214,39 @@ class InputOutput(TraceFactorisation[IOTraces]):
         rule: LearningRule[IOTraces],
     ) -> tuple[EffGrads, PyTree]:  # fmt: skip
         """The slots that are not factorised contract at once; the factorised ones keep
-        their signal ``Σ_a ε_f[a] L[a] / c`` and, once per relation, the input trace."""
+        their output trace ``ε_f``, and each of their groups its signal ``L``, for
+        `stream_finish` to form ``Σ_a ε_f[a] L[a] / c`` over the stacked steps (no
+        per-step kernel for it, nor for the bias correction ``c``); once per relation,
+        the input trace."""
         plan = plan_of(graph)
         now: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
-        ms: list[Array] = []
+        efs: list[Array] = []
         for k, slot in enumerate(plan.slots):
             if _stacked(slot):
-                ms.append(self._signal(traces, k, signals[slot.group]))
+                efs.append(traces.f[k])
             else:
                 g = self._slot_grads(traces, k, slot, signals[slot.group], weights)
                 add_into(now[slot.relation], g)
+        groups = {s.group for s in plan.slots if _stacked(s)}
+        Ls = tuple(L if g in groups else None for g, L in enumerate(signals))
         inputs = {s.relation for s in plan.slots if _stacked(s)}
         xs = tuple(x if r in inputs else None for r, x in enumerate(traces.x))
-        return tuple(now), (tuple(ms), xs)
+        return tuple(now), (tuple(efs), Ls, xs)
 
     def stream_finish(
-        self, graph: ETraceGraph, saved: PyTree, weights: Weights, rule: LearningRule[IOTraces]
-    ) -> EffGrads:
-        ms, xs = saved
+        self, graph: ETraceGraph, traces: IOTraces, saved: PyTree, weights: Weights,
+        rule: LearningRule[IOTraces],
+    ) -> EffGrads:  # fmt: skip
+        efs, Ls, xs = saved
         out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
-        stacked = (s for s in plan_of(graph).slots if _stacked(s))
-        for slot, m in zip(stacked, ms, strict=True):
+        stacked = [s for s in plan_of(graph).slots if _stacked(s)]
+        if not stacked:
+            return tuple(out)
+        K = efs[0].shape[0]
+        # each step's count, after its update
+        counts = traces.count - (K - 1) + jnp.arange(K, dtype=traces.count.dtype)
+        for slot, ef in zip(stacked, efs, strict=True):
+            m = self._corrected(ef, Ls[slot.group], counts)
             add_into(out[slot.relation], _stacked_contract(slot, xs[slot.relation], m))
         return tuple(out)
 

@@ -129,9 +129,11 @@ class TraceFactorisation(eqx.Module, Generic[TraceT]):
         return self.eff_grads(graph, traces, signals, weights, rule), ()
 
     def stream_finish(
-        self, graph: ETraceGraph, saved: PyTree, weights: Weights, rule: "LearningRule[TraceT]"
-    ) -> EffGrads:
-        """The gradients left to `stream_out`'s stacked outputs; none by default."""
+        self, graph: ETraceGraph, traces: TraceT, saved: PyTree, weights: Weights,
+        rule: "LearningRule[TraceT]",
+    ) -> EffGrads:  # fmt: skip
+        """The gradients left to `stream_out`'s stacked outputs (with the `traces` after
+        the chunk's last step); none by default."""
         return tuple({} for _ in graph.hidden_param_op_relations)
 
 
@@ -339,8 +341,12 @@ class LearningRule(OnlineAlgorithm[TraceT]):
             graph, _cast(traces, compute), signals, _weights(graph, weights), self
         )
 
-    def stream_finish(self, graph: ETraceGraph, saved: PyTree, weights: Weights) -> EffGrads:
-        return self.factorisation.stream_finish(graph, saved, _weights(graph, weights), self)
+    def stream_finish(
+        self, graph: ETraceGraph, traces: TraceT, saved: PyTree, weights: Weights
+    ) -> EffGrads:
+        return self.factorisation.stream_finish(
+            graph, traces, saved, _weights(graph, weights), self
+        )
 
     def learning_signals(
         self,
