@@ -524,6 +524,32 @@ def test_gates_whose_sum_is_also_used_whole_are_not_cut() -> None:
         etrax.compile(model, etrax.DRTRL(), jnp.zeros(3))
 
 
+def test_values_left_unused_do_not_change_what_is_traced() -> None:
+    """Dead code, a value computed from the summed products and never read (here a
+    second split of ``x @ Wx + b``), is not a use of its weights: the model is traced
+    as without it (the same relations and weight rules) and learns like the
+    gate-by-gate model."""
+
+    class Dead(SummedGates):
+        def _gates(self, x: Array, h: Array) -> list[Array]:
+            _ = jnp.split(x @ self.wx.value + self.b.value, 2, axis=-1)  # never read
+            return super()._gates(x, h)
+
+    model, plain = Dead("gru", 3, 4), SummedGates("gru", 3, 4)
+    brainstate.nn.init_all_states(model)
+    brainstate.nn.init_all_states(plain)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    reference = etrax.compile_etrace_graph(plain, jnp.zeros(3))
+    assert len(graph.hidden_param_op_relations) == len(reference.hidden_param_op_relations) > 0
+    rules = {p: (r.rule, r.reason) for p, r in graph.weight_rules().items()}
+    assert rules == {p: (r.rule, r.reason) for p, r in reference.weight_rules().items()}
+    assert all(rule is etrax.WeightRule.TRACED for rule, _ in rules.values())
+    xs, ys = _sequence((3,), (4,), 6, seed=9)
+    split = SummedGates("gru", 3, 4, fused=False)
+    brainstate.nn.init_all_states(split)
+    _learns_like_gate_by_gate(graph, model, split, xs, ys)
+
+
 class SparseRecurrence(brainstate.nn.Module):
     """A recurrent weight in CSR form, ``h ← tanh(Linear(x) + SparseLinear(h))``: the
     CSR product's primitive has no batching rule, so `jax.vmap` cannot map it."""
@@ -801,6 +827,51 @@ def test_a_model_with_units_trains_and_gradients_carry_units() -> None:
     # and a training step keeps the units
     new_w = state.params[("l1", "w")] - 0.1 * grads[("l1", "w")]
     assert u.get_unit(new_w) == u.nS
+
+
+class CurrentLIF(brainstate.nn.Module):
+    """A current-based LIF in brainunit: a current ``I`` and a potential ``V`` in mV,
+    a learned time constant in ms, and a spike read from the *new* potential (the
+    Jacobians read the step's new hidden values)."""
+
+    def __init__(self, n_in: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        key = jax.random.PRNGKey(21)
+        self.w = brainstate.ParamState(jax.random.normal(key, (n_in, n)))
+        self.tau = brainstate.ParamState(jnp.linspace(2.0, 8.0, n) * u.ms)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
+        self.V = brainstate.HiddenState(jnp.zeros(shape) * u.mV)
+        self.I = brainstate.HiddenState(jnp.zeros(shape) * u.mV)
+
+    def update(self, x: ArrayLike) -> Array:
+        current = 0.8 * self.I.value + (jnp.asarray(x) @ self.w.value) * u.mV
+        V = self.V.value + 1.0 * u.ms / self.tau.value * (current - self.V.value)
+        self.I.value = current
+        self.V.value = V
+        spike: Array = etrax.nn.spike((V - 1.0 * u.mV) / u.mV, etrax.nn.SigmoidGrad())
+        return spike
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=lambda v: f"batch={v}")
+def test_hidden_states_with_units_read_after_the_update(batch: int | None) -> None:
+    """Hidden values with units that the step reads after writing them (here the
+    spike of the new potential) reach the Jacobians as plain mantissas: every rule
+    equals BPTT at T = 1 and D-RTRL over the whole sequence (the neurons are
+    element-wise), with the learned time constant traced."""
+    model = CurrentLIF(2, 3)
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    lead = () if batch is None else (batch,)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((*lead, 2)))
+    assert graph.weight_rules()[("tau",)].rule is etrax.WeightRule.TRACED
+    state = etrax.state_of(graph)
+    xs, ys = _sequence((*lead, 2), (*lead, 3), T, seed=4)
+    one = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for rule in (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)):
+        _close(dict(_online(graph, rule, xs[:1], ys[:1])), one)
+    _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), bptt_grads(model, state, xs, ys, sq))
 
 
 @pytest.mark.parametrize(
@@ -1115,19 +1186,19 @@ class ElementWiseWeights(brainstate.nn.Module):
     every unit, which the primitive broadcasts; the threshold stored with shape
     ``(1,)``). `form` picks which."""
 
-    def __init__(self, form: str) -> None:
+    def __init__(self, form: str, n: int = 4) -> None:
         super().__init__()
         key = iter(jax.random.split(jax.random.key(11), 6))
-        self.form = form
-        self.W = brainstate.ParamState(0.5 * jax.random.normal(next(key), (3, 4)))
-        self.tau = brainstate.ParamState(jnp.linspace(1.5, 3.0, 4))
-        self.u = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
-        self.beta = brainstate.ParamState(0.5 * jax.random.normal(next(key), (4,)))
+        self.form, self.n = form, n
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(next(key), (3, n)))
+        self.tau = brainstate.ParamState(jnp.linspace(1.5, 3.0, n))
+        self.u = brainstate.ParamState(0.5 * jax.random.normal(next(key), (n,)))
+        self.beta = brainstate.ParamState(0.5 * jax.random.normal(next(key), (n,)))
         self.theta = brainstate.ParamState(jnp.asarray([0.3]))  # scalars: one for every unit
         self.tau_s = brainstate.ParamState(jnp.asarray(2.0))
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
-        shape = (4,) if batch_size is None else (batch_size, 4)
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
         self.h = brainstate.HiddenState(jnp.zeros(shape))
         self.a = brainstate.HiddenState(jnp.zeros(shape))
 
@@ -1206,6 +1277,24 @@ def test_element_wise_weights_are_traced(form: str, batch: int | None) -> None:
     for path in paths:
         assert off.weight_rules()[path].reason is K.WEIGHT_PLAIN_USE
         assert float(jnp.max(jnp.abs(plain[path] - exact[path]))) > 1e-3
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=lambda v: f"batch={v}")
+def test_element_wise_weights_of_a_single_unit_are_traced(batch: int | None) -> None:
+    """A layer of one unit: its per-unit weights (shape ``(1,)``: a decay's time
+    constant, a gain, an adaptation strength) are element-wise weights as for wider
+    layers, traced, and D-RTRL is exact over the sequence."""
+    for form in ("decay", "gain", "adaptation"):
+        model = ElementWiseWeights(form, n=1)
+        brainstate.nn.init_all_states(model, batch_size=batch)
+        lead = () if batch is None else (batch,)
+        xs, ys = _sequence((*lead, 3), (*lead, 1), T, seed=6)
+        graph = etrax.compile_etrace_graph(model, xs[0])
+        for name in ELEMENT_WISE[form]:
+            assert graph.weight_rules()[(name,)].rule is etrax.WeightRule.TRACED, form
+        assert not graph.explain(kind=K.WEIGHT_PLAIN_USE)
+        state = etrax.state_of(graph)
+        _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), bptt_grads(model, state, xs, ys, sq))
 
 
 class ScalarBiasGates(brainstate.nn.Module):

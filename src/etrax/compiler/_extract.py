@@ -31,7 +31,7 @@ from .._errors import (
 )
 from .._typing import Path, PyTree, Shape
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
-from ._jaxpr import Program, VarTable, inline_calls
+from ._jaxpr import Program, VarTable, drop_dead_equations, inline_calls
 from ._module_info import ModuleInfo, StateInfo, StateKind, StateRefs
 from ._normalise import CompilePolicy, normalise
 
@@ -577,10 +577,10 @@ def extract(
     name = type(model).__name__
     _check_state_avals(name, closed, compiled_states, paths, num_in, num_out, records)
     _check_weight_dtypes(name, compiled_states, paths, records)
-    closed = inline_calls(closed)
+    closed = drop_dead_equations(inline_calls(closed))
     policy = CompilePolicy() if policy is None else policy
     closed, rewrites = normalise(closed, _weight_inputs(compiled_states, paths, num_in), policy)
-    closed = inline_calls(closed)
+    closed = drop_dead_equations(inline_calls(closed))
     records.extend(rewrites)
     _check_no_nested_etp(closed, records)
     infos = _state_infos(closed, compiled_states, written, paths, num_in, num_out, records)

@@ -27,7 +27,14 @@ from .._compat import (
 )
 from .._typing import VarId
 
-__all__ = ["Program", "VarTable", "eval_equations", "inline_calls", "slice_program"]
+__all__ = [
+    "Program",
+    "VarTable",
+    "drop_dead_equations",
+    "eval_equations",
+    "inline_calls",
+    "slice_program",
+]
 
 
 @final
@@ -196,6 +203,26 @@ def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> 
 
 def _has_calls(jaxpr: Jaxpr) -> bool:
     return any(call_body(e) is not None for e in jaxpr.eqns)
+
+
+def drop_dead_equations(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` without the top-level equations whose outputs nothing reads (the
+    step's outputs, hidden and other states included, count as read) and that have
+    no effects: a value computed and left unused (``_ = jnp.split(x @ W, 3)``) is no
+    use of its weights, and does not stop the compiler from cutting the ops it reads.
+    Invariant: invars and outvars are kept, with their order."""
+    jaxpr = closed.jaxpr
+    live = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    kept: list[JaxprEqn] = []
+    for eqn in reversed(jaxpr.eqns):
+        used = any(isinstance(o, Var) and not isinstance(o, DropVar) and o in live
+                   for o in eqn.outvars)  # fmt: skip
+        if used or eqn.effects:
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if isinstance(v, Var))
+    if len(kept) == len(jaxpr.eqns):
+        return closed
+    return ClosedJaxpr(replace_jaxpr(jaxpr, eqns=kept[::-1]), closed.consts)
 
 
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:

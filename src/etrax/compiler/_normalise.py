@@ -379,7 +379,7 @@ def _plan_element_wise(
             continue
         slot = k.index(_Kind.WEIGHT)
         out_shape = tuple(aval_of(eqn.outvars[0]).shape)
-        if len(out_shape) == 0 or out_shape[-1] < 2:
+        if len(out_shape) == 0:
             continue
         if _along_features(jaxpr, producers, eqn.invars[slot], out_shape[-1], len(out_shape)):
             found[i] = slot

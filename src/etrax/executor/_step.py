@@ -199,13 +199,19 @@ def step_env(
     hidden: Mapping[Path, Any],
     hoisted: Mapping[VarId, Any],
 ) -> dict[VarId, Any]:
+    """The values of the step's variables that its Jacobians read: the consts, the
+    inputs (`flat`), the `hoisted` values and the new hidden values, each hidden
+    state's leaves by its output variables (a brainunit ``Quantity``'s mantissa: the
+    step's variables carry no units)."""
     mi = graph.module_info
     env: dict[VarId, Any] = dict(enumerate(mi.closed_jaxpr.consts))
     env.update(zip(mi.program.input_ids, flat, strict=True))
     env.update(hoisted)
     for s in mi.hidden_states:
-        if s.outvars[0] is not None:
-            env[s.outvars[0]] = hidden[s.path]
+        leaves = jax.tree.leaves(hidden[s.path])
+        for v, leaf in zip(s.outvars, leaves, strict=True):
+            if v is not None:
+                env[v] = leaf
     return env
 
 
