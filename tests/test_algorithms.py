@@ -14,6 +14,8 @@ import pytest
 from jaxtyping import Array
 
 import etrax
+from etrax.algorithms._plan import plan_of
+from etrax.algorithms._pp import _late_signals
 
 from .compiles import scan_outputs
 from .models import CATALOGUE, ModelCase, TanhRNN, build
@@ -235,14 +237,16 @@ def _streamed(
     return traces, total
 
 
-def test_chunk_forms_equal_the_per_step_form() -> None:
+@pytest.mark.parametrize("name", ["lstm", "gru_b2"])
+def test_chunk_forms_equal_the_per_step_form(name: str) -> None:
     """The stacked forms, used through the pure interface, against `update` +
     `eff_grads` per step, with signals on the old hidden values too (`olds`): pp-prop's
     `chunk` (the chunk's Jacobians stacked) and `stream_step` + `stream_finish` (the
-    driver's: one pass, the factorised contractions stacked); and the default streamed
-    form of a rule that keeps nothing for `stream_finish` (D-RTRL, as a `LearningRule`
-    and through `OnlineAlgorithm`'s own default)."""
-    case = next(c for c in CATALOGUE if c.name == "lstm")
+    driver's: one pass, the factorised contractions stacked; on one sample, the LSTM,
+    the signals formed at the chunk's end, with a batch at every step); and the default
+    streamed form of a rule that keeps nothing for `stream_finish` (D-RTRL, as a
+    `LearningRule` and through `OnlineAlgorithm`'s own default)."""
+    case = next(c for c in CATALOGUE if c.name == name)
     graph, state, xs, ts = _problem(case, 6)
     weights = etrax.algorithms.operand_values(graph, state.params)
     steps = []
@@ -255,6 +259,7 @@ def test_chunk_forms_equal_the_per_step_form() -> None:
 
     pp = etrax.PPProp(0.8, chunk_steps=6)
     assert pp.streams(graph)
+    assert _late_signals(plan_of(graph).slots) is (name == "lstm")  # both forms run
     tr, expected = _per_step(pp, graph, steps, weights)
     traces = pp.init(graph, state)
     chunk_tr, chunk_g = pp.chunk(graph, traces, jacs, sigs, weights, olds)

@@ -961,6 +961,23 @@ def test_auto_compiler_options_keep_xla_defaults_for_per_step_traces(
     assert all(r.vector_steps(learner.graph) for r in chunked)
 
 
+def test_auto_compiler_options_keep_xla_defaults_for_streamed_pp_prop() -> None:
+    """pp-prop's streamed chunks (its default) keep XLA's defaults on one sample: its
+    per-step loop is vector-sized like D-RTRL's and e-prop's, which get the older
+    emitters (the control), but ran faster per step with XLA's defaults."""
+    brainstate.random.seed(0)
+    model = LeakyTanhReadout(3, 5)
+    pp = etrax.PPProp(0.9)
+    learner = etrax.compile(model, pp, jnp.zeros(3))
+    assert pp.vector_steps(learner.graph) and pp.streams(learner.graph)
+    assert learner.grad_compiler_options is None
+    assert etrax.algorithms.default_compiler_options(learner.graph, pp) is None
+    for rule in (etrax.DRTRL(), etrax.EProp(0.5)):  # vector-sized, not streamed
+        assert not rule.streams(learner.graph)
+        got = etrax.algorithms.default_compiler_options(learner.graph, rule)
+        assert got is not None and dict(got) == ONE_SAMPLE
+
+
 def test_auto_compiler_options_are_xla_defaults_off_the_cpu_or_when_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
