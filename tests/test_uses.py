@@ -461,6 +461,46 @@ def test_the_report_lists_unused_weights_apart() -> None:
     assert "exact instantaneous gradient" not in head
 
 
+def test_a_weight_read_only_by_dead_code_is_reported_unused() -> None:
+    """A ParamState that ``update`` reads only into a value nothing uses is unused
+    (its gradient is zero, and the weights it sat beside are traced as without it), and
+    a warning says it was read by dead code."""
+
+    class DeadRead(brainstate.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W = brainstate.ParamState(0.3 * jnp.ones((3, 4)))
+            self.U = brainstate.ParamState(jnp.ones((4,)))
+
+        def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+            self.h = brainstate.HiddenState(jnp.zeros(4))
+
+        def update(self, x: Any) -> Any:
+            _ = self.h.value * self.U.value  # never read
+            self.h.value = 0.5 * self.h.value + jnp.tanh(x @ self.W.value)
+            return self.h.value
+
+    model = DeadRead()
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    rules = graph.weight_rules()
+    assert rules[("U",)].rule is etrax.WeightRule.UNUSED
+    assert rules[("W",)].rule is etrax.WeightRule.TRACED
+    mismatches = graph.explain(kind=etrax.DiagnosticKind.STATE_MISMATCH)
+    dead = [r for r in mismatches if "dead code" in r.message]
+    assert [r.weight_path for r in dead] == [("U",)]
+    state = etrax.state_of(graph)
+    xs, ys = jnp.ones((3, 3)), jnp.zeros((3, 4))
+    algo = etrax.DRTRL()
+
+    def loss(y: Array, t: Array) -> Array:
+        return jnp.sum((y - t) ** 2)
+
+    grads = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ys, loss).grads
+    assert float(np.max(np.abs(np.asarray(grads[("U",)])))) == 0.0
+    assert float(np.max(np.abs(np.asarray(grads[("W",)])))) > 0.0
+
+
 class Threshold(brainstate.nn.Module):
     """``V ← where(θ > 0.2, 0.9 V, 0.5 V) + fc(x) θ``: the weight θ is read by a
     comparison (a boolean use, no gradient) and by a product."""

@@ -136,8 +136,10 @@ class CompilationReport:
             lines.append("")
         if unused:
             lines.append(
-                "Weights the step never reads (nothing to learn: not in the compiled state's "
-                "params, the gradients or learner.params):"
+                "Weights the step never reads, or reads only into values nothing uses "
+                "(nothing to learn: left out of the compiled state's params, the gradients "
+                "and learner.params, or, if read by dead code only, kept with a zero "
+                "gradient):"
             )
             lines.extend(f"   {path}" for path in rules if path in unused)
             lines.append("")
