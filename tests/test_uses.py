@@ -436,23 +436,29 @@ def test_linked_groups_are_reported() -> None:
     assert all(g.link is not None for g in graph.hidden_groups)
 
 
+class WithUnused(brainstate.nn.Module):
+    """A leaky layer whose second weight ``U`` is never read or, with `dead_read`,
+    read only into a value nothing uses."""
+
+    def __init__(self, dead_read: bool = False) -> None:
+        super().__init__()
+        self.dead_read = dead_read
+        self.W = brainstate.ParamState(0.3 * jnp.ones((3, 4)))
+        self.U = brainstate.ParamState(jnp.ones((4,)))
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(4))
+
+    def update(self, x: Any) -> Any:
+        if self.dead_read:
+            _ = self.h.value * self.U.value  # never read
+        self.h.value = 0.5 * self.h.value + jnp.tanh(x @ self.W.value)
+        return self.h.value
+
+
 def test_the_report_lists_unused_weights_apart() -> None:
     """A ParamState the step never reads is listed as unused (nothing to learn), not
     among the weights that learn from their instantaneous gradient."""
-
-    class WithUnused(brainstate.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.W = brainstate.ParamState(0.3 * jnp.ones((3, 4)))
-            self.U = brainstate.ParamState(jnp.ones((4,)))
-
-        def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
-            self.h = brainstate.HiddenState(jnp.zeros(4))
-
-        def update(self, x: Any) -> Any:
-            self.h.value = 0.5 * self.h.value + jnp.tanh(x @ self.W.value)
-            return self.h.value
-
     model = WithUnused()
     brainstate.nn.init_all_states(model)
     text = str(etrax.compile_etrace_graph(model, jnp.zeros(3)).report())
@@ -465,22 +471,7 @@ def test_a_weight_read_only_by_dead_code_is_reported_unused() -> None:
     """A ParamState that ``update`` reads only into a value nothing uses is unused
     (its gradient is zero, and the weights it sat beside are traced as without it), and
     a warning says it was read by dead code."""
-
-    class DeadRead(brainstate.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.W = brainstate.ParamState(0.3 * jnp.ones((3, 4)))
-            self.U = brainstate.ParamState(jnp.ones((4,)))
-
-        def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
-            self.h = brainstate.HiddenState(jnp.zeros(4))
-
-        def update(self, x: Any) -> Any:
-            _ = self.h.value * self.U.value  # never read
-            self.h.value = 0.5 * self.h.value + jnp.tanh(x @ self.W.value)
-            return self.h.value
-
-    model = DeadRead()
+    model = WithUnused(dead_read=True)
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
     rules = graph.weight_rules()
