@@ -143,9 +143,9 @@ def default_compiler_options(
     if samples != 1 or jax.default_backend() != "cpu":
         return None
     slots = plan_of(graph).slots
-    if not slots or any(slot.nb > 1 for slot in slots) or not algorithm.vector_steps(graph):
+    if not slots or any(slot.nb > 1 for slot in slots):
         return None
-    if algorithm.streams(graph):
+    if not algorithm.vector_steps(graph) or algorithm.streams(graph):
         return None
     return None if _xla_refusal(ONE_SAMPLE_CPU_OPTIONS) is not None else ONE_SAMPLE_CPU_OPTIONS
 

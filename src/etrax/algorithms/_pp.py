@@ -246,11 +246,12 @@ class InputOutput(TraceFactorisation[IOTraces]):
         out: list[dict[str, Array]] = [{} for _ in graph.hidden_param_op_relations]
         slots = plan_of(graph).slots
         stacked = [s for s in slots if _stacked(s)]
-        late = _late_signals(slots)
+        counts = None
+        if _late_signals(slots) and kept:  # kept holds each slot's stacked ε_f
+            K = kept[0].shape[0]  # each step's count, after its update
+            counts = traces.count - (K - 1) + jnp.arange(K, dtype=traces.count.dtype)
         for slot, m in zip(stacked, kept, strict=True):
-            if late:  # m holds ε_f: each step's signal, with its step's count
-                K = m.shape[0]
-                counts = traces.count - (K - 1) + jnp.arange(K, dtype=traces.count.dtype)
+            if counts is not None:
                 m = self._corrected(m, Ls[slot.group], counts)
             add_into(out[slot.relation], _stacked_contract(slot, xs[slot.relation], m))
         return tuple(out)

@@ -614,7 +614,7 @@ def extract(
     closed = live
     policy = CompilePolicy() if policy is None else policy
     closed, rewrites = normalise(closed, _weight_inputs(compiled_states, paths, num_in), policy)
-    closed = drop_dead_equations(inline_calls(closed))
+    closed = inline_calls(closed)
     records.extend(rewrites)
     _check_no_nested_etp(closed, records)
     infos = _state_infos(closed, compiled_states, written, paths, num_in, num_out, records)
