@@ -315,6 +315,60 @@ def test_a_one_sample_convolution_is_traced(own: bool) -> None:
     _close(dict(mapped.etrace_grad(xb, yb, sq)), dict(batched.etrace_grad(xb, yb, sq)), 1e-9)
 
 
+class TransposedConv(brainstate.nn.Module):
+    """A leaky layer fed by brainstate's transposed convolution, whose kernel is laid out
+    ``(*spatial, out, in)`` and flipped before ``conv_general_dilated``."""
+
+    def __init__(self, spatial: tuple[int, ...], stride: int) -> None:
+        super().__init__()
+        brainstate.random.seed(4)
+        n = len(spatial)
+        conv = brainstate.nn.ConvTranspose1d if n == 1 else brainstate.nn.ConvTranspose2d
+        self.c = conv((*spatial, 2), 3, 3, stride=stride, padding="SAME")
+        self.out_shape = (*(s * stride for s in spatial), 3)
+        self.size = int(np.prod(self.out_shape))
+        self.out = brainstate.nn.Linear(self.size, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        lead = () if batch_size is None else (batch_size,)
+        self.h = brainstate.HiddenState(jnp.zeros((*lead, *self.out_shape)))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = 0.8 * self.h.value + jnp.tanh(self.c(x))
+        self.h.value = h
+        lead = h.shape[: h.ndim - len(self.out_shape)]
+        y: Array = self.out(h.reshape(*lead, self.size))
+        return y
+
+
+@pytest.mark.parametrize(
+    ("spatial", "stride", "batch"),
+    [((5,), 1, None), ((4,), 2, 2), ((3, 4), 1, None)],
+    ids=["1d", "1d-stride2-b2", "2d"],
+)
+def test_transposed_convolutions_are_traced(
+    spatial: tuple[int, ...], stride: int, batch: int | None
+) -> None:
+    """brainstate's ``ConvTranspose1d`` / ``2d`` keep their kernel as ``(*spatial, out,
+    in)``: the kernel is laid out as etrax.conv's in its weight program and traced.
+    Every rule equals BPTT at T = 1, and D-RTRL over the sequence (the element-wise
+    recurrence makes it exact). Before, the kernel was a plain use, not traced."""
+    model = TransposedConv(spatial, stride)
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    lead = () if batch is None else (batch,)
+    x = jnp.zeros((*lead, *spatial, 2))
+    _etp_free(model, x)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert graph.weight_rules()[("c", "weight")].rule is etrax.WeightRule.TRACED
+    xs, ys = _sequence(x.shape, (*lead, 2), 5, seed=6)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for rule in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, rule, xs[:1], ys[:1])), exact)
+    full = bptt_grads(model, state, xs, ys, sq)
+    _close(_online(graph, etrax.DRTRL(), xs, ys)[("c", "weight")], full[("c", "weight")], 1e-9)
+
+
 # ----- fused gates ----------------------------------------------------------------------
 
 

@@ -253,7 +253,10 @@ def _dense_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
 
 
 def _conv_dims(eqn: JaxprEqn) -> bool:
-    """Whether a convolution is in the channel-last layout `etrax.conv` traces."""
+    """Whether a convolution is one `etrax.conv` traces: its input and output in the
+    channel-last layout, one group, and its kernel in any layout (`_kernel_order`
+    lays it out as ``(*spatial, in, out)``, as brainstate's ``ConvTranspose`` kernels
+    ``(*spatial, out, in)`` need)."""
     from ..ops._conv import default_dimension_numbers
 
     p = eqn.params
@@ -263,8 +266,18 @@ def _conv_dims(eqn: JaxprEqn) -> bool:
         return False
     if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
         return False
+    got = p["dimension_numbers"]
     want = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, default_dimension_numbers(n))
-    return bool(p["dimension_numbers"] == want)
+    return bool(got.lhs_spec == want.lhs_spec and got.out_spec == want.out_spec)
+
+
+def _kernel_order(eqn: JaxprEqn) -> tuple[int, ...] | None:
+    """The axis order that lays a convolution's kernel out as ``(*spatial, in, out)``
+    (`etrax.conv`'s layout, each spatial axis matched to the input's in turn), or
+    `None` when it already is."""
+    rhs = tuple(eqn.params["dimension_numbers"].rhs_spec)  # (out, in, *spatial)
+    order = (*rhs[2:], rhs[1], rhs[0])
+    return None if order == tuple(range(len(rhs))) else order
 
 
 def _along_features(
@@ -628,7 +641,8 @@ class _Rewriter:
             if eqn.primitive.name == "dot_general":
                 x2, w2 = _dense_operands(eqn, slot, x, w)
             else:
-                x2, w2 = x, w
+                order = _kernel_order(eqn)
+                x2, w2 = x, (w if order is None else jnp.transpose(w, order))
             wide = _accumulation_dtype(eqn, x2, w2)
             if wide is not None:  # e.g. float32 operands summed in float64: the same
                 x2, w2 = x2.astype(wide), w2.astype(wide)  # products, exact in the wider type
