@@ -369,6 +369,108 @@ def test_transposed_convolutions_are_traced(
     _close(_online(graph, etrax.DRTRL(), xs, ys)[("c", "weight")], full[("c", "weight")], 1e-9)
 
 
+class LowRankInput(brainstate.nn.Module):
+    """A leaky layer fed by brainstate's `LoRA`, ``(x @ A) @ B`` (plus a base `Linear`
+    with ``base=True``); with ``recurrent=True`` it reads ``[x, h]``."""
+
+    def __init__(self, base: bool, recurrent: bool = False) -> None:
+        super().__init__()
+        brainstate.random.seed(2)
+        self.recurrent = recurrent
+        n_in = 7 if recurrent else 3
+        linear = brainstate.nn.Linear(n_in, 4) if base else None
+        self.lora = brainstate.nn.LoRA(n_in, 2, 4, base_module=linear)
+        self.out = brainstate.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        lead = () if batch_size is None else (batch_size,)
+        self.h = brainstate.HiddenState(jnp.zeros((*lead, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        h = self.h.value
+        inp = jnp.concatenate([jnp.asarray(x), h], -1) if self.recurrent else jnp.asarray(x)
+        h = 0.8 * h + jnp.tanh(self.lora(inp))
+        self.h.value = h
+        y: Array = self.out(h)
+        return y
+
+
+@pytest.mark.parametrize(
+    ("base", "recurrent", "batch"),
+    [(False, False, None), (True, False, 2), (True, True, None)],
+    ids=["lora", "lora+base-b2", "recurrent"],
+)
+def test_a_low_rank_product_is_traced_as_lora(
+    base: bool, recurrent: bool, batch: int | None
+) -> None:
+    """``(x @ A) @ B``, brainstate's `LoRA`: the two products become one
+    `etrax.lora_matmul`, and both factors are traced (before, ``A`` reached the hidden
+    state only through ``B`` and got its instantaneous gradient only: the weight was
+    partly traced). Every rule equals BPTT at T = 1; on the input alone (an
+    element-wise recurrence) D-RTRL equals BPTT over the sequence for both factors."""
+    model = LowRankInput(base, recurrent)
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    lead = () if batch is None else (batch,)
+    x = jnp.zeros((*lead, 3))
+    _etp_free(model, x)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert graph.weight_rules()[("lora", "weight")].rule is etrax.WeightRule.TRACED
+    assert any("lora_matmul" in r.message for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED))
+    xs, ys = _sequence(x.shape, (*lead, 2), 5, seed=7)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for rule in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, rule, xs[:1], ys[:1])), exact)
+    if not recurrent:
+        full = bptt_grads(model, state, xs, ys, sq)
+        got = _online(graph, etrax.DRTRL(), xs, ys)
+        _close(got[("lora", "weight")], full[("lora", "weight")], 1e-9)
+
+
+class TiedLowRank(brainstate.nn.Module):
+    """``(x @ W) @ Wᵀ + b`` (a tied bottleneck) and ``split((x @ W) @ V, 2)`` (gates
+    from a low-rank product) driving one leaky, gated hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = _param(21, (4, 3))
+        self.V = _param(22, (3, 8))
+        self.b = _param(23, (4,))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        lead = () if batch_size is None else (batch_size,)
+        self.h = brainstate.HiddenState(jnp.zeros((*lead, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        x = jnp.asarray(x)
+        z = (x @ self.W.value) @ self.W.value.T + self.b.value
+        f, c = jnp.split((x @ self.W.value) @ self.V.value, 2, axis=-1)
+        h = jax.nn.sigmoid(f) * self.h.value + jnp.tanh(z) + jnp.tanh(c)
+        self.h.value = h
+        return h
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch=2"])
+def test_tied_and_gated_low_rank_products_are_traced(batch: int | None) -> None:
+    """A low-rank product whose factors are one weight and its transpose, and one cut
+    into gates, are each one `etrax.lora_matmul` (per part): every weight is traced,
+    every rule equals BPTT at T = 1, and D-RTRL equals it over the sequence."""
+    model = TiedLowRank()
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    lead = () if batch is None else (batch,)
+    x = jnp.zeros((*lead, 4))
+    graph = etrax.compile_etrace_graph(model, x)
+    for path, status in graph.weight_rules().items():
+        assert status.rule is etrax.WeightRule.TRACED, (path, status)
+    xs, ys = _sequence(x.shape, x.shape, 5, seed=8)
+    state = etrax.state_of(graph)
+    exact = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for rule in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, rule, xs[:1], ys[:1])), exact)
+    full = bptt_grads(model, state, xs, ys, sq)
+    _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), full, 1e-9)
+
+
 # ----- fused gates ----------------------------------------------------------------------
 
 

@@ -162,6 +162,7 @@ class _Fused:
     bias_atom: Any = None  # that add's weight-valued operand
     cuts: list[int] = field(default_factory=list)  # split / slice eqns that take parts
     grouped: bool = False  # a per-group weight (one batch dimension): grouped_matmul
+    inner: int | None = None  # ``(x @ A) @ B``: the product ``x @ A`` it starts from
 
     @property
     def emit_at(self) -> int:
@@ -169,7 +170,15 @@ class _Fused:
 
     @property
     def absorbed(self) -> set[int]:
-        return {self.anchor} if self.bias_eqn is None else {self.anchor, self.bias_eqn}
+        eqns = {self.anchor} if self.bias_eqn is None else {self.anchor, self.bias_eqn}
+        return eqns if self.inner is None else eqns | {self.inner}
+
+
+class _LowRank(NamedTuple):
+    """The weights of ``(x @ A) @ B``, in the order they are applied."""
+
+    first: Any
+    second: Any
 
 
 @dataclass
@@ -366,7 +375,50 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
             ):
                 fused.bias_eqn, fused.bias_atom = j, other
         plans[i] = fused
+    _plan_low_rank(jaxpr, plans, uses, producers)
     return plans
+
+
+def _matrix_product(eqn: JaxprEqn, plan: _Fused) -> bool:
+    """Whether a recognised op is ``x @ W``: `x` of shape ``(in,)`` or ``(batch, in)``
+    on the left, `W` of ``(in, out)``, both in the product's own type."""
+    if eqn.primitive.name != "dot_general" or plan.grouped or plan.weight_slot != 1:
+        return False
+    x, w = (aval_of(a) for a in eqn.invars)
+    axes = _free_axes(eqn, 1)
+    return (
+        len(w.shape) == 2
+        and len(x.shape) in (1, 2)
+        and axes.x_contract == (len(x.shape) - 1,)
+        and axes.w_contract == (0,)
+        and x.dtype == w.dtype == aval_of(eqn.outvars[0]).dtype
+    )
+
+
+def _plan_low_rank(
+    jaxpr: Jaxpr, plans: dict[int, _Fused], uses: _Uses, producers: Mapping[Var, int]
+) -> None:
+    """``(x @ A) @ B`` (brainstate's `LoRA`, a bottleneck with no nonlinearity): the
+    second product takes in the first, whose result it alone reads, and both become
+    one `etrax.lora_matmul`, whose trace is that of the product ``A @ B``; the first
+    product on its own would reach the hidden state only through the second weight,
+    and get its instantaneous gradient only. Chains of more products pair the first
+    two."""
+    for i in sorted(plans):
+        second = plans.get(i)
+        if second is None or not _matrix_product(jaxpr.eqns[i], second):
+            continue
+        u = jaxpr.eqns[i].invars[0]
+        j = producers.get(u) if isinstance(u, Var) else None
+        first = None if j is None else plans.get(j)
+        if not isinstance(u, Var) or j is None or first is None:
+            continue
+        if first.inner is not None or first.bias_eqn is not None:
+            continue
+        if not _matrix_product(jaxpr.eqns[j], first) or uses.only_consumer(u) != i:
+            continue
+        second.inner = j
+        del plans[j]
 
 
 ELEMENT_WISE_PRIMITIVES = frozenset({"add", "sub", "mul", "div", "max", "min"})
@@ -609,8 +661,12 @@ class _Rewriter:
 
     def _operands(self, jaxpr: Jaxpr, plan: _Fused, read: Any) -> tuple[JaxprEqn, Any, Any, Any]:
         eqn = jaxpr.eqns[plan.anchor]
-        x = read(eqn.invars[1 - plan.weight_slot])
         w = read(eqn.invars[plan.weight_slot])
+        if plan.inner is None:
+            x = read(eqn.invars[1 - plan.weight_slot])
+        else:  # ``(x @ A) @ B``: the first product's data and both weights
+            first = jaxpr.eqns[plan.inner]
+            x, w = read(first.invars[0]), _LowRank(read(first.invars[1]), w)
         features = tuple(aval_of(eqn.outvars[0]).shape)[-1]
         bias = (
             None
@@ -630,10 +686,16 @@ class _Rewriter:
         grouped: bool = False,
     ) -> Any:
         """The ETP op equivalent to the anchor equation (on one feature range)."""
-        from ..ops import conv, matmul
+        from ..ops import conv, lora_matmul, matmul
         from ..ops._conv import shared_product
 
         with equation_context(eqn):
+            if isinstance(w, _LowRank):
+                second = w.second if part is None else w.second[:, part[0] : part[1]]
+                if bias is not None:
+                    bias = bias.astype(second.dtype)
+                    bias = bias if part is None else bias[part[0] : part[1]]
+                return lora_matmul(x, w.first, second, bias)
             if grouped:
                 y = _grouped_op(eqn, slot, x, w, bias)
                 dtype = aval_of(eqn.outvars[0]).dtype
@@ -744,15 +806,19 @@ class _Rewriter:
         eqn = jaxpr.eqns[plan.anchor]
         if not self._first_time(eqn):
             return
-        w_atom = eqn.invars[plan.weight_slot]
+        atoms = [eqn.invars[plan.weight_slot]]
+        if plan.inner is not None:
+            atoms.insert(0, jaxpr.eqns[plan.inner].invars[1])
         paths = self._paths(
-            sources.get(w_atom, frozenset()) if isinstance(w_atom, Var) else frozenset()
+            frozenset().union(*(sources.get(a, frozenset()) for a in atoms if isinstance(a, Var)))
         )
         shared = eqn.primitive.name == "dot_general" and (
             len(_free_axes(eqn, plan.weight_slot).x_free) > 1
         )
         op = (
-            "etrax.grouped_matmul"
+            "etrax.lora_matmul (the product of two weights in a row, (x @ A) @ B)"
+            if plan.inner is not None
+            else "etrax.grouped_matmul"
             if plan.grouped
             else "etrax.conv (width 1: the weight shared along the data's leading axes)"
             if shared
