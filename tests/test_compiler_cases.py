@@ -129,6 +129,58 @@ def test_shape_mismatch_is_excluded_with_a_record() -> None:
     (rec,) = graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
     assert rec.weight_path == ("fc", "weight")
     assert graph.weight_rules()[("fc", "weight")].reason is K.RELATION_EXCLUDED_SHAPE_MISMATCH
+    assert "HiddenState of its own" not in rec.message  # y is wider than the state
+
+
+class Populations(brainstate.nn.Module):
+    """Two populations fed by one product cut in two, leaky at different rates: kept
+    in one concatenated state, or (``apart=True``) in one HiddenState each."""
+
+    def __init__(self, apart: bool) -> None:
+        super().__init__()
+        self.apart = apart
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(jax.random.key(2), (3, 6)))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        if self.apart:
+            self.e = brainstate.HiddenState(jnp.zeros(4))
+            self.i = brainstate.HiddenState(jnp.zeros(2))
+        else:
+            self.v = brainstate.HiddenState(jnp.zeros(6))
+
+    def update(self, x: ArrayLike) -> Array:
+        to_e, to_i = jnp.split(jnp.asarray(x) @ self.W.value, [4], axis=-1)
+        e, i = (self.e.value, self.i.value) if self.apart else jnp.split(self.v.value, [4])
+        e, i = 0.9 * e + jnp.tanh(to_e), 0.7 * i + jnp.tanh(to_i)
+        if self.apart:
+            self.e.value, self.i.value = e, i
+        else:
+            self.v.value = jnp.concatenate([e, i])
+        return jnp.concatenate([e, i])
+
+
+def test_parts_of_a_concatenated_state_say_how_to_trace_them() -> None:
+    """A product feeding part of a state's last axis (populations concatenated into one
+    state) is not traced, and the record says to give each part a HiddenState of its
+    own; done so, the weight is traced and D-RTRL equals BPTT over the sequence."""
+    whole = _compile(Populations(apart=False), jnp.ones(3))
+    assert whole.weight_rules()[("W",)].rule is etrax.WeightRule.INSTANTANEOUS
+    records = whole.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
+    assert records and all("HiddenState of its own" in r.message for r in records)
+    model = Populations(apart=True)
+    graph = _compile(model, jnp.ones(3))
+    assert graph.weight_rules()[("W",)].rule is etrax.WeightRule.TRACED
+    xs = jax.random.normal(jax.random.key(3), (5, 3))
+    ys = jax.random.normal(jax.random.key(4), (5, 6))
+    state = etrax.state_of(graph)
+
+    def sq(y: Array, t: Array) -> Array:
+        return jnp.sum((y - t) ** 2)
+
+    full = bptt_grads(model, state, xs, ys, sq)
+    algo = etrax.DRTRL()
+    got, _ = etrax.online_grad(graph, algo, state, algo.init(graph, state), xs, ys, sq)
+    np.testing.assert_allclose(np.asarray(got[("W",)]), np.asarray(full[("W",)]), atol=1e-10)
 
 
 class PlainUse(brainstate.nn.Module):

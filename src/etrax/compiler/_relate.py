@@ -467,12 +467,24 @@ def _tail(
     # brainstate layer adds a batch axis of 1 around its op and drops it after)
     squeezed = offset < 0 and set(op.y_shape[:-offset]) == {1} and op.y_shape[-offset:] == V
     if not squeezed and (offset < 0 or tuple(V[offset:]) != op.y_shape):
+        part = (
+            len(op.y_shape) == len(V) > 0
+            and op.y_shape[:-1] == tuple(V[:-1])
+            and op.y_shape[-1] < V[-1]
+        )
+        hint = (
+            " y fills only part of the group's last axis, as when the states of two "
+            "populations are concatenated into one: keep each part in a HiddenState of its "
+            "own to trace it."
+            if part
+            else ""
+        )
         return None, record(
             DiagnosticKind.RELATION_EXCLUDED_SHAPE_MISMATCH,
             DiagnosticLevel.WARNING,
             f"{op.name} at {op.where} produces y of shape {op.y_shape}, which does not line up "
             f"with the positions {V} of group {g.index} {list(g.hidden_paths)}; this "
-            "connection is not traced (its weights get its exact instantaneous gradient).",
+            f"connection is not traced (its weights get its exact instantaneous gradient).{hint}",
             primitive=op.name,
             weight_path=op.weight_path,
             hidden_paths=member_paths,
