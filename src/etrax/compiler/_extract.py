@@ -609,11 +609,12 @@ def extract(
     _check_state_avals(name, closed, compiled_states, paths, num_in, num_out, records)
     _check_weight_dtypes(name, compiled_states, paths, records)
     closed = inline_calls(closed)
+    weights = _weight_inputs(compiled_states, paths, num_in)
     live = drop_dead_equations(closed)
-    _note_dead_reads(closed, live, _weight_inputs(compiled_states, paths, num_in), records)
+    _note_dead_reads(closed, live, weights, records)
     closed = live
     policy = CompilePolicy() if policy is None else policy
-    closed, rewrites = normalise(closed, _weight_inputs(compiled_states, paths, num_in), policy)
+    closed, rewrites = normalise(closed, weights, policy)
     closed = inline_calls(closed)
     records.extend(rewrites)
     _check_no_nested_etp(closed, records)

@@ -409,10 +409,9 @@ def _plan_low_rank(
         if second is None or not _matrix_product(jaxpr.eqns[i], second):
             continue
         u = jaxpr.eqns[i].invars[0]
-        j = producers.get(u) if isinstance(u, Var) else None
-        first = None if j is None else plans.get(j)
-        if not isinstance(u, Var) or j is None or first is None:
+        if not isinstance(u, Var) or (j := producers.get(u)) is None or j not in plans:
             continue
+        first = plans[j]
         if first.inner is not None or first.bias_eqn is not None:
             continue
         if not _matrix_product(jaxpr.eqns[j], first) or uses.only_consumer(u) != i:
@@ -690,17 +689,13 @@ class _Rewriter:
         from ..ops._conv import shared_product
 
         with equation_context(eqn):
-            if isinstance(w, _LowRank):
-                second = w.second if part is None else w.second[:, part[0] : part[1]]
-                if bias is not None:
-                    bias = bias.astype(second.dtype)
-                    bias = bias if part is None else bias[part[0] : part[1]]
-                return lora_matmul(x, w.first, second, bias)
             if grouped:
                 y = _grouped_op(eqn, slot, x, w, bias)
                 dtype = aval_of(eqn.outvars[0]).dtype
                 return y if y.dtype == dtype else y.astype(dtype)
-            if eqn.primitive.name == "dot_general":
+            if isinstance(w, _LowRank):  # `_matrix_product`s: x (in,) or (batch, in)
+                x2, w2 = x, w.second
+            elif eqn.primitive.name == "dot_general":
                 x2, w2 = _dense_operands(eqn, slot, x, w)
             else:
                 order = _kernel_order(eqn)
@@ -713,7 +708,9 @@ class _Rewriter:
                 bias = None if bias is None else bias[part[0] : part[1]]
             if bias is not None:
                 bias = bias.astype(w2.dtype)
-            if eqn.primitive.name == "dot_general" and jnp.ndim(x2) > 2:
+            if isinstance(w, _LowRank):
+                y = lora_matmul(x2, w.first, w2, bias)
+            elif eqn.primitive.name == "dot_general" and jnp.ndim(x2) > 2:
                 y = shared_product(x2, w2, bias)  # position axes sharing the weight
             elif eqn.primitive.name == "dot_general":
                 y = matmul(x2, w2, bias)
