@@ -555,6 +555,8 @@ class FusedGates(Layer):
     ``jnp.dot`` with the weight stored transposed). Variants 6 and 7 cut the gates
     after a sum of products: an LSTM ``split(x @ Wx + h @ Wh + b, 4)``, and a GRU-like
     cell with ``split((x @ Wx + h @ Wh + b) * g, 3)`` (a learned gain after the sum).
+    In about half the layers (drawn from `rng`), the value cut is also used whole: a
+    small sum of it over the features joins the new ``h`` (which mixes positions).
     """
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
@@ -572,6 +574,11 @@ class FusedGates(Layer):
         self.b = brainstate.ParamState(_param(rng, (k * n,), 0.3))
         if self.summed and not self.lstm:
             self.g = brainstate.ParamState(1.0 + _param(rng, (k * n,), 0.2))
+        self.whole = bool(rng.integers(2))
+
+    def _whole(self, fused: Array) -> Array | float:
+        """What the value cut adds to the new ``h`` when it is also used whole."""
+        return 0.01 * jnp.sum(fused, axis=-1, keepdims=True) if self.whole else 0.0
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
         self.h = brainstate.HiddenState(_zeros((self.n,), batch_size))
@@ -596,24 +603,27 @@ class FusedGates(Layer):
             if self.lstm:
                 i, f, o, g = jnp.split(pre, 4, axis=-1)
                 c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
-                new = jax.nn.sigmoid(o) * jnp.tanh(c)
+                new = jax.nn.sigmoid(o) * jnp.tanh(c) + self._whole(pre)
                 self.c.value = c
             else:
-                r, z, cand = jnp.split(pre * self.g.value, 3, axis=-1)
+                gained = pre * self.g.value
+                r, z, cand = jnp.split(gained, 3, axis=-1)
                 z = jax.nn.sigmoid(z)
-                new = (1.0 - z) * jnp.tanh(cand) + z * jax.nn.sigmoid(r) * h
+                new = (1.0 - z) * jnp.tanh(cand) + z * jax.nn.sigmoid(r) * h + self._whole(gained)
         elif self.lstm:
             xh = jnp.concatenate([x, h], axis=-1)
-            i, f, o, g = jnp.split(self._product(xh) + self.b.value, 4, axis=-1)
+            fused = self._product(xh) + self.b.value
+            i, f, o, g = jnp.split(fused, 4, axis=-1)
             c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
-            new = jax.nn.sigmoid(o) * jnp.tanh(c)
+            new = jax.nn.sigmoid(o) * jnp.tanh(c) + self._whole(fused)
             self.c.value = c
         else:
-            xr, xz, xn = jnp.split(self._product(x) + self.b.value, 3, axis=-1)
+            fused = self._product(x) + self.b.value
+            xr, xz, xn = jnp.split(fused, 3, axis=-1)
             hr, hz, hn = jnp.split(h @ self.wh.value, 3, axis=-1)
             r = jax.nn.sigmoid(xr + hr)
             z = jax.nn.sigmoid(xz + hz)
-            new = (1.0 - z) * jnp.tanh(xn + r * hn) + z * h
+            new = (1.0 - z) * jnp.tanh(xn + r * hn) + z * h + self._whole(fused)
         self.h.value = new
         return new
 

@@ -614,7 +614,14 @@ def extract(
     _note_dead_reads(closed, live, weights, records)
     closed = live
     policy = CompilePolicy() if policy is None else policy
-    closed, rewrites = normalise(closed, weights, policy)
+    hidden_sizes = frozenset(
+        int(d)
+        for st in compiled_states
+        if _classify(st) is StateKind.HIDDEN
+        for leaf in jax.tree.leaves(st.value)
+        for d in np.shape(leaf)
+    )
+    closed, rewrites = normalise(closed, weights, policy, hidden_sizes)
     closed = inline_calls(closed)
     records.extend(rewrites)
     _check_no_nested_etp(closed, records)

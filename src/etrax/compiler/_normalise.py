@@ -21,7 +21,10 @@ Three rewrites, each optional through a `CompilePolicy`:
   on its own: every op on the matching slice of its weight and bias, a weight along
   the features as one `etrax.element_wise` per part, other data sliced. The parts
   reach hidden states element-wise, so each is traced; the per-use accounting sums
-  the parts' gradients into the one ParamState.
+  the parts' gradients into the one ParamState. An op whose whole output lines up
+  with no hidden state but whose parts do is cut even where its output is also used
+  whole (a layer norm over the fused gates, a penalty on them): it is computed once
+  per part, and the whole value is the parts concatenated.
 - **Control flow flattened.** ``lax.cond`` / ``lax.switch`` are if-converted (every
   branch evaluated, the result selected); a ``lax.scan`` (``fori_loop`` with static
   bounds) of at most `CompilePolicy.unroll_limit` steps is unrolled. Longer scans and
@@ -34,6 +37,7 @@ source location, so the result has the same inputs and outputs in the same order
 
 import enum
 import heapq
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -192,9 +196,12 @@ class _Region:
     root: Var  # the value the cuts take parts of
     features: int
     cuts: list[int]  # split / slice equations on `root`
+    pieces: list[tuple[int, int]]  # the feature ranges between every cut's bounds
+    allow_whole: bool  # an op also used whole may be cut (see `_plan_regions`)
     eqns: list[int] = field(default_factory=list)  # evaluated per part, in jaxpr order
     anchors: dict[Var, int] = field(default_factory=dict)  # an op's output → its anchor
     weights: dict[Var, int] = field(default_factory=dict)  # weight operand → its equation
+    whole: set[Var] = field(default_factory=set)  # anchors also used whole: by `pieces`
 
 
 class _Uses:
@@ -451,10 +458,20 @@ def _plan_element_wise(
 
 
 def _plan_regions(
-    jaxpr: Jaxpr, kinds: Mapping[Var, _Kind], plans: Mapping[int, _Fused]
+    jaxpr: Jaxpr,
+    kinds: Mapping[Var, _Kind],
+    plans: Mapping[int, _Fused],
+    hidden_sizes: frozenset[int],
 ) -> list[_Region]:
-    """The `_Region` s of one jaxpr: for every value only ever cut along its last axis,
-    the `_PART_WISE` equations and recognised ops it is computed from part by part."""
+    """The `_Region` s of one jaxpr: for every value cut along its last axis, the
+    `_PART_WISE` equations and recognised ops it is computed from part by part.
+
+    The value, and a recognised op's output it is computed from, may also be used
+    whole when cutting can only help: when no axis of any hidden state
+    (`hidden_sizes`) has the value's width, so that the whole could never line up
+    with one, and some part's width is one. Such a value is computed once per piece,
+    the ranges between the bounds of every cut, and its whole value is the pieces
+    concatenated."""
     uses = _Uses(jaxpr)
     producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
     results = {
@@ -462,28 +479,46 @@ def _plan_regions(
     }
     regions: list[_Region] = []
     roots: set[Var] = set()
+    claimed: set[Var] = set()  # anchors of earlier regions
     for eqn in jaxpr.eqns:
         root = eqn.invars[0] if eqn.primitive.name in ("split", "slice") else None
-        if not isinstance(root, Var) or root in roots or root in uses.outputs:
+        if not isinstance(root, Var) or root in roots or root in claimed:
             continue
         shape = tuple(aval_of(root).shape)
         if not shape:
             continue
         features = int(shape[-1])
-        users = sorted(set(uses.consumers[root]))
-        if not all(
-            jaxpr.eqns[u].invars[0] is root and _cut_parts(jaxpr.eqns[u], features) is not None
-            for u in users
-        ):
+        cuts = sorted(
+            u
+            for u in set(uses.consumers[root])
+            if jaxpr.eqns[u].invars[0] is root
+            and _cut_parts(jaxpr.eqns[u], features) is not None
+        )
+        bounds = {0, features}
+        for u in cuts:
+            bounds.update(b for part in _cut_parts(jaxpr.eqns[u], features) or () for b in part)
+        edges = sorted(bounds)
+        pieces = list(itertools.pairwise(edges))
+        allow_whole = features not in hidden_sizes and any(
+            hi - lo in hidden_sizes for lo, hi in pieces
+        )
+        used_whole = root in uses.outputs or len(cuts) < len(set(uses.consumers[root]))
+        if not cuts or (used_whole and not allow_whole):
             continue
         roots.add(root)
-        region = _Region(root=root, features=features, cuts=users)
-        _grow(jaxpr, kinds, uses, producers, results, region)
-        if region.anchors:
+        region = _Region(
+            root=root, features=features, cuts=cuts, pieces=pieces, allow_whole=allow_whole
+        )
+        if used_whole:
+            region.whole.add(root)
+        _grow(jaxpr, kinds, uses, producers, results, region, claimed)
+        whole_root = used_whole and root not in region.anchors
+        if region.anchors and not (whole_root and producers.get(root) not in region.eqns):
             region.eqns.sort()
             regions.append(region)
+            claimed.update(region.anchors)
             for anchor in region.anchors.values():
-                plans[anchor].cuts = users
+                plans[anchor].cuts = cuts
     return regions
 
 
@@ -494,24 +529,30 @@ def _grow(
     producers: Mapping[Var, int],
     results: Mapping[Var, int],
     region: _Region,
+    claimed: set[Var],
 ) -> None:
     """Take into `region` every value its root is computed from part by part: a value
     used only in the region, produced by a recognised op or by a `_PART_WISE` equation
-    whose operands can each be cut (or broadcast to every part). Any other value stays
-    as it is, and is sliced per part. Values are met latest first, so every use of a
-    value in the region is known before the value is."""
+    whose operands can each be cut (or broadcast to every part); with
+    `_Region.allow_whole`, also a recognised op's output used elsewhere too (not one
+    that an earlier region, in `claimed`, took). Any other value stays as it is, and
+    is sliced per part. Values are met latest first, so every use of a value in the
+    region is known before the value is."""
     shape = tuple(aval_of(region.root).shape)
     taken: set[int] = set(region.cuts)
     met = {region.root}
     todo = [(-producers.get(region.root, -1), 0, region.root)]
     while todo:
         _, _, var = heapq.heappop(todo)
-        if var is not region.root and not (
-            var not in uses.outputs and set(uses.consumers.get(var, ())) <= taken
-        ):
+        whole = var in uses.outputs or not set(uses.consumers.get(var, ())) <= taken
+        if var in results and var not in claimed and (not whole or region.allow_whole):
+            region.anchors[var] = results[var]
+            if whole:
+                region.whole.add(var)
+            continue
+        if whole and var is not region.root:
             continue  # needed whole elsewhere too
         if var in results:
-            region.anchors[var] = results[var]
             continue
         i = producers.get(var)
         if i is None:
@@ -572,11 +613,16 @@ class _Rewriter:
     """Evaluates a jaxpr under `jax.make_jaxpr`, applying the planned rewrites."""
 
     def __init__(
-        self, policy: CompilePolicy, names: Mapping[int, Path], records: list[CompilationRecord]
+        self,
+        policy: CompilePolicy,
+        names: Mapping[int, Path],
+        records: list[CompilationRecord],
+        hidden_sizes: frozenset[int],
     ) -> None:
         self.policy = policy
         self.names = names
         self.records = records
+        self.hidden_sizes = hidden_sizes
         self.budget = _Budget(policy.max_equations)
         self.seen: list[JaxprEqn] = []  # equations already recorded (unrolled bodies repeat)
 
@@ -594,7 +640,7 @@ class _Rewriter:
         """Evaluate `jaxpr` on `args`; `where` names the loop or branch it is a body of."""
         kinds, sources = _static_kinds(jaxpr, in_kinds, in_sources)
         plans = _plan(jaxpr, kinds) if self.policy.recognise_weight_ops else {}
-        regions = _plan_regions(jaxpr, kinds, plans) if plans else []
+        regions = _plan_regions(jaxpr, kinds, plans, self.hidden_sizes) if plans else []
         absorbed = {i for p in plans.values() for i in p.absorbed}
         absorbed.update(i for r in regions for i in r.eqns)
         element_wise_uses = (
@@ -602,6 +648,13 @@ class _Rewriter:
         )
         by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
         by_cut = {c: r for r in regions for c in r.cuts}
+        by_whole = {
+            plans[a].emit_at: (r, v) for r in regions for v, a in r.anchors.items() if v in r.whole
+        }
+        by_whole.update(
+            (r.eqns[-1], (r, r.root)) for r in regions if r.root in r.whole - set(r.anchors)
+        )
+        pieces: dict[Var, list[Any]] = {}  # an op used whole too: its value per piece
         skipped = absorbed - set(by_emit)
         self.budget.spend(len(jaxpr.eqns), where)
         env: dict[Var, Any] = {}
@@ -618,7 +671,21 @@ class _Rewriter:
         env.update(zip(jaxpr.invars, args, strict=True))
         for i, eqn in enumerate(jaxpr.eqns):
             if i in by_cut:
-                write(eqn.outvars, self._parts(jaxpr, plans, by_cut[i], eqn, read, sources))
+                region = by_cut[i]
+                ranges = _cut_parts(eqn, region.features)
+                assert ranges is not None
+                values = self._parts(jaxpr, plans, region, ranges, read, sources, pieces)
+                write(eqn.outvars, values)
+                continue
+            if i in by_whole:  # a value also used whole: computed once per piece
+                region, var = by_whole[i]
+                if var in region.anchors:
+                    plan = plans[region.anchors[var]]
+                    pieces[var] = self._pieces(jaxpr, plan, region, read, sources)
+                else:  # the root
+                    ranges = region.pieces
+                    pieces[var] = self._parts(jaxpr, plans, region, ranges, read, sources, pieces)
+                write(eqn.outvars, [jnp.concatenate(pieces[var], axis=-1)])
                 continue
             if i in by_emit:
                 plan = by_emit[i]
@@ -739,20 +806,45 @@ class _Rewriter:
         self._note_recognised(jaxpr, plan, sources)
         return self._op(eqn, plan.weight_slot, x, w, bias, None, plan.grouped)
 
+    def _pieces(
+        self,
+        jaxpr: Jaxpr,
+        plan: _Fused,
+        region: _Region,
+        read: Any,
+        sources: Mapping[Var, _Sources],
+    ) -> list[Any]:
+        """A recognised op that is also used whole, once per piece of `region`."""
+        eqn, x, w, bias = self._operands(jaxpr, plan, read)
+        self._note_recognised(jaxpr, plan, sources, len(region.pieces))
+        return [self._op(eqn, plan.weight_slot, x, w, bias, piece) for piece in region.pieces]
+
     def _parts(
         self,
         jaxpr: Jaxpr,
         plans: Mapping[int, _Fused],
         region: _Region,
-        cut: JaxprEqn,
+        ranges: Sequence[tuple[int, int]],
         read: Any,
         sources: Mapping[Var, _Sources],
+        pieces: Mapping[Var, list[Any]],
     ) -> list[Any]:
-        """The parts `cut` takes of `region`'s root, each computed on its own."""
+        """The parts of `region`'s root over `ranges`, each computed on its own (a
+        value also used whole: from its `pieces`, computed where the value was)."""
+
+        def joined(var: Var, lo: int, hi: int) -> Any:
+            got = zip(region.pieces, pieces[var], strict=True)
+            inside = [p for (a, _), p in got if lo <= a < hi]
+            return inside[0] if len(inside) == 1 else jnp.concatenate(inside, axis=-1)
+
+        if region.root in pieces:
+            return [joined(region.root, lo, hi) for lo, hi in ranges]
         operands = {}
         for var, anchor in region.anchors.items():
-            operands[var] = self._operands(jaxpr, plans[anchor], read)
-            self._note_recognised(jaxpr, plans[anchor], sources)
+            if var not in region.whole:
+                operands[var] = self._operands(jaxpr, plans[anchor], read)
+                whole = len(ranges) if region.root in region.whole else None
+                self._note_recognised(jaxpr, plans[anchor], sources, whole)
         for i in dict.fromkeys(region.weights.values()):
             eqn = jaxpr.eqns[i]
             if self._first_time(eqn):
@@ -761,8 +853,6 @@ class _Rewriter:
                     frozenset().union(*(sources.get(a, frozenset()) for a in atoms))
                 )
                 self._note_element_wise(eqn, paths)
-        ranges = _cut_parts(cut, region.features)
-        assert ranges is not None
         outs = []
         for lo, hi in ranges:
             part: dict[Var, Any] = {}
@@ -785,6 +875,8 @@ class _Rewriter:
             for var, (eqn, x, w, bias) in operands.items():
                 slot = plans[region.anchors[var]].weight_slot
                 part[var] = self._op(eqn, slot, x, w, bias, (lo, hi))
+            for var in region.whole & set(region.anchors):
+                part[var] = joined(var, lo, hi)
             for i in region.eqns:
                 eqn = jaxpr.eqns[i]
                 (part[eqn.outvars[0]],) = bind_equation(eqn, [value(a) for a in eqn.invars])
@@ -799,7 +891,15 @@ class _Rewriter:
         self.seen.append(eqn)
         return True
 
-    def _note_recognised(self, jaxpr: Jaxpr, plan: _Fused, sources: Mapping[Var, _Sources]) -> None:
+    def _note_recognised(
+        self,
+        jaxpr: Jaxpr,
+        plan: _Fused,
+        sources: Mapping[Var, _Sources],
+        pieces: int | None = None,
+    ) -> None:
+        """Record `plan`'s op once; `pieces`: it, or the value cut, is also used whole,
+        and it is computed in that many parts."""
         eqn = jaxpr.eqns[plan.anchor]
         if not self._first_time(eqn):
             return
@@ -828,7 +928,13 @@ class _Rewriter:
             extras.append("with the following add as its bias")
         features = int(aval_of(eqn.outvars[0]).shape[-1])
         n = sum(len(_cut_parts(jaxpr.eqns[c], features) or []) for c in plan.cuts)
-        if plan.cuts:
+        if pieces is not None:
+            n = pieces
+            extras.append(
+                f"cut into {n} parts along its features (fused gates), one op each; where the "
+                "value cut is also used whole, the parts concatenated"
+            )
+        elif plan.cuts:
             extras.append(f"cut into {n} parts along its features (fused gates), one op each")
         extra = f" ({'; '.join(extras)})" if extras else ""
         self.records.append(
@@ -1082,6 +1188,7 @@ def normalise(
     closed: ClosedJaxpr,
     weight_inputs: Mapping[int, Path],
     policy: CompilePolicy,
+    hidden_sizes: frozenset[int] = frozenset(),
 ) -> tuple[ClosedJaxpr, list[CompilationRecord]]:
     """The step's jaxpr with weight ops recognised and control flow flattened.
 
@@ -1090,6 +1197,8 @@ def normalise(
     - `closed`: the step's (call-inlined) jaxpr.
     - `weight_inputs`: jaxpr input position → path of the ParamState it is a leaf of.
     - `policy`: what to rewrite.
+    - `hidden_sizes`: every axis length of every hidden state (which ops used whole
+      may be cut into fused gates, see `_plan_regions`).
 
     **Returns:** ``(jaxpr, records)``: the same jaxpr when nothing applies.
     """
@@ -1102,7 +1211,7 @@ def normalise(
     if not _needs_rewrite(jaxpr, in_kinds, in_sources, policy):
         return closed, []
     records: list[CompilationRecord] = []
-    rewriter = _Rewriter(policy, weight_inputs, records)
+    rewriter = _Rewriter(policy, weight_inputs, records, hidden_sizes)
 
     def step(*args: Any) -> list[Any]:
         return rewriter.run(jaxpr, closed.consts, args, in_kinds, in_sources)
