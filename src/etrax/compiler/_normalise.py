@@ -201,7 +201,7 @@ class _Region:
     eqns: list[int] = field(default_factory=list)  # evaluated per part, in jaxpr order
     anchors: dict[Var, int] = field(default_factory=dict)  # an op's output → its anchor
     weights: dict[Var, int] = field(default_factory=dict)  # weight operand → its equation
-    whole: set[Var] = field(default_factory=set)  # anchors also used whole: by `pieces`
+    whole: set[Var] = field(default_factory=set)  # root / anchors also used whole
 
 
 class _Uses:
