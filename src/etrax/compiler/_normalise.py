@@ -488,21 +488,20 @@ def _plan_regions(
         if not shape:
             continue
         features = int(shape[-1])
-        cuts = sorted(
-            u
-            for u in set(uses.consumers[root])
+        consumers = set(uses.consumers[root])
+        ranges = {
+            u: r
+            for u in consumers
             if jaxpr.eqns[u].invars[0] is root
-            and _cut_parts(jaxpr.eqns[u], features) is not None
-        )
-        bounds = {0, features}
-        for u in cuts:
-            bounds.update(b for part in _cut_parts(jaxpr.eqns[u], features) or () for b in part)
-        edges = sorted(bounds)
-        pieces = list(itertools.pairwise(edges))
+            and (r := _cut_parts(jaxpr.eqns[u], features)) is not None
+        }
+        cuts = sorted(ranges)
+        edges = {0, features, *(b for r in ranges.values() for part in r for b in part)}
+        pieces = list(itertools.pairwise(sorted(edges)))
         allow_whole = features not in hidden_sizes and any(
             hi - lo in hidden_sizes for lo, hi in pieces
         )
-        used_whole = root in uses.outputs or len(cuts) < len(set(uses.consumers[root]))
+        used_whole = root in uses.outputs or len(cuts) < len(consumers)
         if not cuts or (used_whole and not allow_whole):
             continue
         roots.add(root)
