@@ -557,6 +557,9 @@ class FusedGates(Layer):
     cell with ``split((x @ Wx + h @ Wh + b) * g, 3)`` (a learned gain after the sum).
     In about half the layers (drawn from `rng`), the value cut is also used whole: a
     small sum of it over the features joins the new ``h`` (which mixes positions).
+    Variants 6 and 7 take one step or, in about half the layers, two sub-steps of a
+    ``fori_loop`` that each cut ``gx + h @ Wh`` into the gates, with ``gx = x @ Wx + b``
+    computed once before the loop.
     """
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
@@ -575,6 +578,7 @@ class FusedGates(Layer):
         if self.summed and not self.lstm:
             self.g = brainstate.ParamState(1.0 + _param(rng, (k * n,), 0.2))
         self.whole = bool(rng.integers(2))
+        self.sub_steps = int(rng.integers(1, 3)) if self.summed else 1
 
     def _whole(self, fused: Array) -> Array | float:
         """What the value cut adds to the new ``h`` when it is also used whole."""
@@ -595,21 +599,36 @@ class FusedGates(Layer):
             out = x @ w
         return out
 
+    def _summed(self, gx: Array, h: Array, c: Array, bias: bool) -> tuple[Array, Array]:
+        """One (sub-)step of variants 6 and 7 from ``gx = x @ Wx`` (``+ b`` after the sum
+        with `bias`, or already in `gx`): the new ``h`` and ``c`` (a GRU-like cell
+        passes its ``c`` through)."""
+        pre = gx + h @ self.wh.value + self.b.value if bias else gx + h @ self.wh.value
+        if self.lstm:
+            i, f, o, g = jnp.split(pre, 4, axis=-1)
+            c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+            return jax.nn.sigmoid(o) * jnp.tanh(c) + self._whole(pre), c
+        gained = pre * self.g.value
+        r, z, cand = jnp.split(gained, 3, axis=-1)
+        z = jax.nn.sigmoid(z)
+        return (1.0 - z) * jnp.tanh(cand) + z * jax.nn.sigmoid(r) * h + self._whole(gained), c
+
     def update(self, x: ArrayLike) -> Array:
         x = jnp.asarray(x)
         h = self.h.value
         if self.summed:
-            pre = self._product(x) + h @ self.wh.value + self.b.value
-            if self.lstm:
-                i, f, o, g = jnp.split(pre, 4, axis=-1)
-                c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
-                new = jax.nn.sigmoid(o) * jnp.tanh(c) + self._whole(pre)
-                self.c.value = c
+            c = self.c.value if self.lstm else h
+            if self.sub_steps == 1:
+                new, c = self._summed(self._product(x), h, c, bias=True)
             else:
-                gained = pre * self.g.value
-                r, z, cand = jnp.split(gained, 3, axis=-1)
-                z = jax.nn.sigmoid(z)
-                new = (1.0 - z) * jnp.tanh(cand) + z * jax.nn.sigmoid(r) * h + self._whole(gained)
+                gx = self._product(x) + self.b.value
+
+                def sub_step(_: Array, hc: tuple[Array, Array]) -> tuple[Array, Array]:
+                    return self._summed(gx, *hc, bias=False)
+
+                new, c = jax.lax.fori_loop(0, self.sub_steps, sub_step, (h, c))
+            if self.lstm:
+                self.c.value = c
         elif self.lstm:
             xh = jnp.concatenate([x, h], axis=-1)
             fused = self._product(xh) + self.b.value

@@ -825,6 +825,87 @@ def test_a_layer_norm_over_fused_gates_is_traced() -> None:
         _every_rule_is_exact_at_one_step(model, graph)
 
 
+class SubSteppedGates(brainstate.nn.Module):
+    """A cell integrated with sub-steps, its input's product computed once per step
+    before the loop: ``gx = x @ W``, then ``steps`` sub-steps that each cut
+    ``gx + h @ U`` into two gates; with ``fused=False``, the same model gate by gate
+    (each gate's slice of ``W`` and ``U`` multiplied on its own)."""
+
+    def __init__(self, n_in: int, n: int, steps: int = 3, fused: bool = True) -> None:
+        super().__init__()
+        self.n, self.steps, self.fused = n, steps, fused
+        self.w = _param(41, (n_in, 2 * n))
+        self.u = _param(42, (n, 2 * n), scale=0.3)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def update(self, x: ArrayLike) -> Array:
+        n, w, u = self.n, self.w.value, self.u.value
+        if self.fused:
+            gx = jnp.asarray(x) @ w
+        else:
+            gx_a, gx_b = jnp.asarray(x) @ w[:, :n], jnp.asarray(x) @ w[:, n:]
+
+        def sub_step(_: Array, h: Array) -> Array:
+            if self.fused:
+                a, b = jnp.split(gx + h @ u, 2, axis=-1)
+            else:
+                a, b = gx_a + h @ u[:, :n], gx_b + h @ u[:, n:]
+            return jax.nn.sigmoid(a) * h + 0.5 * jnp.tanh(b)
+
+        self.h.value = jax.lax.fori_loop(0, self.steps, sub_step, self.h.value)
+        return self.h.value
+
+
+def test_a_product_before_a_loop_of_sub_steps_is_cut_into_its_gates() -> None:
+    """``x @ W`` computed before the loop is cut into the two gates once, and every
+    sub-step reads its parts: ``W`` reaches the state through each gate (the later
+    sub-steps' products in between are learned from the instantaneous gradient, as
+    for ``U``), with no position-mixing tail; each product is recorded once, not
+    once per sub-step; every rule equals BPTT at T = 1, and over a sequence D-RTRL
+    learns the model exactly as the gate-by-gate one. Before, ops were recognised per
+    loop body, where ``x @ W`` is an input, and ``W`` was not traced."""
+    model = SubSteppedGates(3, 4)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    w = graph.weight_rules()[("w",)]
+    assert w.rule is etrax.WeightRule.PARTLY_TRACED, w
+    assert [use.reason for use in w.uses] == [K.RELATION_PARTIAL_PATH] * 2, w
+    assert not graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
+    assert not graph.explain(kind=K.TAIL_MIXES_POSITIONS)
+    products = [
+        r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
+    ]
+    assert [r.context_dict["parts"] for r in products] == [2, 2]
+    assert "several cut values read" in products[0].message
+    # the product's value whole is read by no one: its concatenation is not kept
+    names = [e.primitive.name for e in graph.module_info.jaxpr.eqns]
+    assert "concatenate" not in names
+    split = SubSteppedGates(3, 4, fused=False)
+    brainstate.nn.init_all_states(split)
+    xs, ys = _sequence((3,), (4,), 6, seed=4)
+    _learns_like_gate_by_gate(graph, model, split, xs, ys)
+
+
+def test_a_loop_of_sub_steps_kept_whole_leaves_the_product_untraced() -> None:
+    """The negative control: with `CompilePolicy.unroll_limit` below the loop's length
+    the loop stays whole, ``x @ W`` is not cut (its width lines up with no state) and
+    ``W`` gets its exact instantaneous gradient only (so does ``U``, read inside the
+    loop: the graph has no relation at all, and says which loop to unroll)."""
+    model = SubSteppedGates(3, 4)
+    brainstate.nn.init_all_states(model)
+    policy = etrax.CompilePolicy(unroll_limit=2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3), policy=policy)
+    w = graph.weight_rules()[("w",)]
+    assert w.rule is etrax.WeightRule.INSTANTANEOUS, w
+    assert [use.reason for use in w.uses] == [K.RELATION_EXCLUDED_SHAPE_MISMATCH], w
+    assert not graph.hidden_param_op_relations
+    assert len(graph.explain(kind=K.LOOP_KEPT_WHOLE)) == 1
+    with pytest.raises(etrax.CompilationError, match="unroll_limit"):
+        _online(graph, etrax.DRTRL(), jnp.zeros((1, 3)), jnp.zeros((1, 4)))
+
+
 def test_values_left_unused_do_not_change_what_is_traced() -> None:
     """Dead code, a value computed from the summed products and never read (here a
     second split of ``x @ Wx + b``), is not a use of its weights: the model is traced

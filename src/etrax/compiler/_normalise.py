@@ -31,8 +31,13 @@ Three rewrites, each optional through a `CompilePolicy`:
   weight-free ``while_loop`` s stay whole (opaque to tracing); a weight read inside a
   ``while_loop`` is refused, since a loop of unknown length cannot be traced.
 
-The rewrite re-traces the jaxpr through an interpreter, keeping every equation's
-source location, so the result has the same inputs and outputs in the same order.
+Control flow is flattened first, then weight ops are recognised on the flat jaxpr:
+an op and what it feeds are seen together wherever they were written (``x @ W``
+computed once before a ``fori_loop`` of sub-steps, and cut into the same gates in
+every sub-step, is cut once and each sub-step reads its parts). Each pass re-traces
+the jaxpr through an interpreter, keeping every equation's source location, so the
+result has the same inputs and outputs in the same order; an op that an unrolled
+body repeats is recorded once.
 """
 
 import enum
@@ -63,6 +68,7 @@ from .._compat import (
 from .._errors import NotSupportedError, RewriteLimitError
 from .._typing import Path
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
+from ._jaxpr import drop_dead_equations, inline_calls
 
 __all__ = ["CompilePolicy", "normalise"]
 
@@ -202,6 +208,12 @@ class _Region:
     anchors: dict[Var, int] = field(default_factory=dict)  # an op's output → its anchor
     weights: dict[Var, int] = field(default_factory=dict)  # weight operand → its equation
     whole: set[Var] = field(default_factory=set)  # root / anchors also used whole
+    shared: set[Var] = field(default_factory=set)  # anchors whose pieces an earlier region makes
+    read_whole: bool = False  # one of its own `whole` anchors is read outside every region
+
+
+_Pieces = list[tuple[tuple[int, int], Any]]
+"""A value computed once per piece: each piece's feature range and value."""
 
 
 class _Uses:
@@ -471,7 +483,9 @@ def _plan_regions(
     (`hidden_sizes`) has the value's width, so that the whole could never line up
     with one, and some part's width is one. Such a value is computed once per piece,
     the ranges between the bounds of every cut, and its whole value is the pieces
-    concatenated."""
+    concatenated. An op that an earlier region cuts so is read from its pieces by a
+    later region whose bounds are among theirs (a product computed once before a loop
+    of sub-steps, and cut into the same gates in every step)."""
     uses = _Uses(jaxpr)
     producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
     results = {
@@ -480,6 +494,7 @@ def _plan_regions(
     regions: list[_Region] = []
     roots: set[Var] = set()
     claimed: set[Var] = set()  # anchors of earlier regions
+    shareable: dict[Var, frozenset[int]] = {}  # of those, the ones cut in pieces: their bounds
     for eqn in jaxpr.eqns:
         root = eqn.invars[0] if eqn.primitive.name in ("split", "slice") else None
         if not isinstance(root, Var) or root in roots or root in claimed:
@@ -510,14 +525,23 @@ def _plan_regions(
         )
         if used_whole:
             region.whole.add(root)
-        _grow(jaxpr, kinds, uses, producers, results, region, claimed)
+        _grow(jaxpr, kinds, uses, producers, results, region, claimed, shareable)
         whole_root = used_whole and root not in region.anchors
         if region.anchors and not (whole_root and producers.get(root) not in region.eqns):
             region.eqns.sort()
             regions.append(region)
             claimed.update(region.anchors)
-            for anchor in region.anchors.values():
-                plans[anchor].cuts = cuts
+            for var, anchor in region.anchors.items():
+                if var not in region.shared:
+                    plans[anchor].cuts = cuts
+                    if var in region.whole:
+                        shareable[var] = frozenset(edges)
+    inside = {i for reg in regions for i in (*reg.eqns, *reg.cuts)}
+    for reg in regions:
+        reg.read_whole = any(
+            v in uses.outputs or any(i not in inside for i in uses.consumers.get(v, ()))
+            for v in reg.whole - reg.shared
+        )
     return regions
 
 
@@ -529,21 +553,29 @@ def _grow(
     results: Mapping[Var, int],
     region: _Region,
     claimed: set[Var],
+    shareable: Mapping[Var, frozenset[int]],
 ) -> None:
     """Take into `region` every value its root is computed from part by part: a value
     used only in the region, produced by a recognised op or by a `_PART_WISE` equation
     whose operands can each be cut (or broadcast to every part); with
     `_Region.allow_whole`, also a recognised op's output used elsewhere too (not one
-    that an earlier region, in `claimed`, took). Any other value stays as it is, and
+    that an earlier region, in `claimed`, took, but for one it cut in pieces, in
+    `shareable`, at bounds that hold this region's). Any other value stays as it is, and
     is sliced per part. Values are met latest first, so every use of a value in the
     region is known before the value is."""
     shape = tuple(aval_of(region.root).shape)
+    edges = {b for piece in region.pieces for b in piece}
     taken: set[int] = set(region.cuts)
     met = {region.root}
     todo = [(-producers.get(region.root, -1), 0, region.root)]
     while todo:
         _, _, var = heapq.heappop(todo)
         whole = var in uses.outputs or not set(uses.consumers.get(var, ())) <= taken
+        if var in shareable and edges <= shareable[var]:
+            region.anchors[var] = results[var]
+            region.whole.add(var)
+            region.shared.add(var)
+            continue
         if var in results and var not in claimed and (not whole or region.allow_whole):
             region.anchors[var] = results[var]
             if whole:
@@ -617,13 +649,20 @@ class _Rewriter:
         names: Mapping[int, Path],
         records: list[CompilationRecord],
         hidden_sizes: frozenset[int],
+        flatten: bool,
     ) -> None:
         self.policy = policy
         self.names = names
         self.records = records
         self.hidden_sizes = hidden_sizes
+        # one of the two passes: control flow flattened (weight ops left as they are),
+        # or weight ops recognised on the flattened jaxpr (control flow left whole)
+        self.flatten = flatten
+        self.recognise = policy.recognise_weight_ops and not flatten
         self.budget = _Budget(policy.max_equations)
-        self.seen: list[JaxprEqn] = []  # equations already recorded (unrolled bodies repeat)
+        # what is already recorded: an unrolled body's equations repeat, each copy at
+        # the same place in the source and on the same weights
+        self.seen: set[tuple[str, str, _Sources]] = set()
 
     # ----- the interpreter -----------------------------------------------------------
 
@@ -638,22 +677,23 @@ class _Rewriter:
     ) -> list[Any]:
         """Evaluate `jaxpr` on `args`; `where` names the loop or branch it is a body of."""
         kinds, sources = _static_kinds(jaxpr, in_kinds, in_sources)
-        plans = _plan(jaxpr, kinds) if self.policy.recognise_weight_ops else {}
+        plans = _plan(jaxpr, kinds) if self.recognise else {}
         regions = _plan_regions(jaxpr, kinds, plans, self.hidden_sizes) if plans else []
         absorbed = {i for p in plans.values() for i in p.absorbed}
         absorbed.update(i for r in regions for i in r.eqns)
-        element_wise_uses = (
-            _plan_element_wise(jaxpr, kinds, absorbed) if self.policy.recognise_weight_ops else {}
-        )
+        element_wise_uses = _plan_element_wise(jaxpr, kinds, absorbed) if self.recognise else {}
         by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
         by_cut = {c: r for r in regions for c in r.cuts}
         by_whole = {
-            plans[a].emit_at: (r, v) for r in regions for v, a in r.anchors.items() if v in r.whole
+            plans[a].emit_at: (r, v)
+            for r in regions
+            for v, a in r.anchors.items()
+            if v in r.whole and v not in r.shared
         }
         by_whole.update(
             (r.eqns[-1], (r, r.root)) for r in regions if r.root in r.whole - set(r.anchors)
         )
-        pieces: dict[Var, list[Any]] = {}  # an op used whole too: its value per piece
+        pieces: dict[Var, _Pieces] = {}  # an op used whole too: its value per piece
         skipped = absorbed - set(by_emit)
         self.budget.spend(len(jaxpr.eqns), where)
         env: dict[Var, Any] = {}
@@ -680,11 +720,12 @@ class _Rewriter:
                 region, var = by_whole[i]
                 if var in region.anchors:
                     plan = plans[region.anchors[var]]
-                    pieces[var] = self._pieces(jaxpr, plan, region, read, sources)
+                    values = self._pieces(jaxpr, plan, region, read, sources)
                 else:  # the root
                     ranges = region.pieces
-                    pieces[var] = self._parts(jaxpr, plans, region, ranges, read, sources, pieces)
-                write(eqn.outvars, [jnp.concatenate(pieces[var], axis=-1)])
+                    values = self._parts(jaxpr, plans, region, ranges, read, sources, pieces)
+                pieces[var] = list(zip(region.pieces, values, strict=True))
+                write(eqn.outvars, [jnp.concatenate(values, axis=-1)])
                 continue
             if i in by_emit:
                 plan = by_emit[i]
@@ -712,6 +753,8 @@ class _Rewriter:
         ss = [
             sources.get(a, frozenset()) if isinstance(a, Var) else frozenset() for a in eqn.invars
         ]
+        if not self.flatten:
+            return bind_equation(eqn, invals)
         if name == "cond" and self.policy.if_convert and not _effects(eqn):
             return self._cond(eqn, invals, ks, ss)
         if name == "scan" and self._unrolls(eqn):
@@ -815,7 +858,7 @@ class _Rewriter:
     ) -> list[Any]:
         """A recognised op that is also used whole, once per piece of `region`."""
         eqn, x, w, bias = self._operands(jaxpr, plan, read)
-        self._note_recognised(jaxpr, plan, sources, len(region.pieces))
+        self._note_recognised(jaxpr, plan, sources, len(region.pieces), region.read_whole)
         return [self._op(eqn, plan.weight_slot, x, w, bias, piece) for piece in region.pieces]
 
     def _parts(
@@ -826,14 +869,13 @@ class _Rewriter:
         ranges: Sequence[tuple[int, int]],
         read: Any,
         sources: Mapping[Var, _Sources],
-        pieces: Mapping[Var, list[Any]],
+        pieces: Mapping[Var, _Pieces],
     ) -> list[Any]:
         """The parts of `region`'s root over `ranges`, each computed on its own (a
         value also used whole: from its `pieces`, computed where the value was)."""
 
         def joined(var: Var, lo: int, hi: int) -> Any:
-            got = zip(region.pieces, pieces[var], strict=True)
-            inside = [p for (a, _), p in got if lo <= a < hi]
+            inside = [p for (a, _), p in pieces[var] if lo <= a < hi]
             return inside[0] if len(inside) == 1 else jnp.concatenate(inside, axis=-1)
 
         if region.root in pieces:
@@ -846,12 +888,10 @@ class _Rewriter:
                 self._note_recognised(jaxpr, plans[anchor], sources, whole)
         for i in dict.fromkeys(region.weights.values()):
             eqn = jaxpr.eqns[i]
-            if self._first_time(eqn):
-                atoms = [a for a in eqn.invars if isinstance(a, Var) and region.weights.get(a) == i]
-                paths = self._paths(
-                    frozenset().union(*(sources.get(a, frozenset()) for a in atoms))
-                )
-                self._note_element_wise(eqn, paths)
+            atoms = [a for a in eqn.invars if isinstance(a, Var) and region.weights.get(a) == i]
+            srcs = frozenset().union(*(sources.get(a, frozenset()) for a in atoms))
+            if self._first_time(eqn, srcs):
+                self._note_element_wise(eqn, self._paths(srcs))
         outs = []
         for lo, hi in ranges:
             part: dict[Var, Any] = {}
@@ -882,12 +922,14 @@ class _Rewriter:
             outs.append(part[region.root])
         return outs
 
-    def _first_time(self, eqn: JaxprEqn) -> bool:
-        """Whether `eqn` is met for the first time (an unrolled body repeats its
-        equations; each is recorded once)."""
-        if any(e is eqn for e in self.seen):
+    def _first_time(self, eqn: JaxprEqn, srcs: _Sources) -> bool:
+        """Whether `eqn`, reading the weights `srcs`, is met for the first time: the
+        copies of an unrolled body's equation share their place in the source and
+        their weights, and are recorded once."""
+        key = (str(eqn.primitive.name), equation_location(eqn), srcs)
+        if key in self.seen:
             return False
-        self.seen.append(eqn)
+        self.seen.add(key)
         return True
 
     def _note_recognised(
@@ -896,18 +938,21 @@ class _Rewriter:
         plan: _Fused,
         sources: Mapping[Var, _Sources],
         pieces: int | None = None,
+        whole: bool = True,
     ) -> None:
         """Record `plan`'s op once; `pieces`: it, or the value cut, is also used whole,
-        and it is computed in that many parts."""
+        or read by several cut values, and it is computed in that many parts (`whole`:
+        something reads it whole)."""
         eqn = jaxpr.eqns[plan.anchor]
-        if not self._first_time(eqn):
-            return
         atoms = [eqn.invars[plan.weight_slot]]
         if plan.inner is not None:
             atoms.insert(0, jaxpr.eqns[plan.inner].invars[1])
-        paths = self._paths(
-            frozenset().union(*(sources.get(a, frozenset()) for a in atoms if isinstance(a, Var)))
+        srcs = frozenset().union(
+            *(sources.get(a, frozenset()) for a in atoms if isinstance(a, Var))
         )
+        if not self._first_time(eqn, srcs):
+            return
+        paths = self._paths(srcs)
         shared = eqn.primitive.name == "dot_general" and (
             len(_free_axes(eqn, plan.weight_slot).x_free) > 1
         )
@@ -932,6 +977,9 @@ class _Rewriter:
             extras.append(
                 f"cut into {n} parts along its features (fused gates), one op each; where the "
                 "value cut is also used whole, the parts concatenated"
+                if whole
+                else f"cut into {n} parts along its features (fused gates), one op each, "
+                "whose parts several cut values read"
             )
         elif plan.cuts:
             extras.append(f"cut into {n} parts along its features (fused gates), one op each")
@@ -961,9 +1009,9 @@ class _Rewriter:
         traced like any ETP op's."""
         atom = eqn.invars[slot]
         assert isinstance(atom, Var)  # `_along_features` accepts variables only
-        paths = self._paths(sources.get(atom, frozenset()))
-        if self._first_time(eqn):
-            self._note_element_wise(eqn, paths)
+        srcs = sources.get(atom, frozenset())
+        if self._first_time(eqn, srcs):
+            self._note_element_wise(eqn, self._paths(srcs))
         with equation_context(eqn):
             invals = [read(a) for a in eqn.invars]
             invals[slot] = _element_wise_weight(jaxpr, eqn, atom, read, None)
@@ -1189,7 +1237,13 @@ def normalise(
     policy: CompilePolicy,
     hidden_sizes: frozenset[int] = frozenset(),
 ) -> tuple[ClosedJaxpr, list[CompilationRecord]]:
-    """The step's jaxpr with weight ops recognised and control flow flattened.
+    """The step's jaxpr with control flow flattened and weight ops recognised.
+
+    Two passes: control flow is flattened first (loops unrolled, branches
+    if-converted, the nested calls of their bodies inlined, what nothing reads
+    dropped), then weight ops are recognised on the flat jaxpr, so that an op and
+    what it feeds are seen together wherever they were written (a product computed
+    once before a loop of sub-steps and cut into gates inside it, say).
 
     **Arguments:**
 
@@ -1201,40 +1255,60 @@ def normalise(
 
     **Returns:** ``(jaxpr, records)``: the same jaxpr when nothing applies.
     """
-    jaxpr = closed.jaxpr
+    records: list[CompilationRecord] = []
+    if _has_control_flow(closed.jaxpr, weight_inputs, policy):
+        closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, True))
+        closed = drop_dead_equations(inline_calls(closed))
+    if policy.recognise_weight_ops and _has_weight_ops(closed.jaxpr, weight_inputs):
+        closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, False))
+        closed = drop_dead_equations(closed)  # a value cut in pieces that no one reads whole
+    return closed, records
+
+
+def _input_kinds(
+    jaxpr: Jaxpr, weight_inputs: Mapping[int, Path]
+) -> tuple[list[_Kind], list[_Sources]]:
     n = len(jaxpr.invars)
     in_kinds = [_Kind.WEIGHT if i in weight_inputs else _Kind.DATA for i in range(n)]
     in_sources: list[_Sources] = [
         frozenset({i}) if i in weight_inputs else frozenset() for i in range(n)
     ]
-    if not _needs_rewrite(jaxpr, in_kinds, in_sources, policy):
-        return closed, []
-    records: list[CompilationRecord] = []
-    rewriter = _Rewriter(policy, weight_inputs, records, hidden_sizes)
+    return in_kinds, in_sources
+
+
+def _rewritten(closed: ClosedJaxpr, rewriter: _Rewriter) -> ClosedJaxpr:
+    """`closed` evaluated through `rewriter` and traced again."""
+    jaxpr = closed.jaxpr
+    in_kinds, in_sources = _input_kinds(jaxpr, rewriter.names)
 
     def step(*args: Any) -> list[Any]:
         return rewriter.run(jaxpr, closed.consts, args, in_kinds, in_sources)
 
-    avals = [struct_of(v) for v in jaxpr.invars]
-    return jax.make_jaxpr(step)(*avals), records
+    return jax.make_jaxpr(step)(*(struct_of(v) for v in jaxpr.invars))
 
 
-def _needs_rewrite(
-    jaxpr: Jaxpr, in_kinds: Sequence[_Kind], in_sources: Sequence[_Sources], policy: CompilePolicy
+def _has_control_flow(
+    jaxpr: Jaxpr, weight_inputs: Mapping[int, Path], policy: CompilePolicy
 ) -> bool:
-    kinds, _ = _static_kinds(jaxpr, in_kinds, in_sources)
+    """Whether the flattening pass has anything to do: a branch to if-convert, a loop
+    to unroll, or a loop that reads weights (to refuse, or to report kept whole)."""
+    kinds, _ = _static_kinds(jaxpr, *_input_kinds(jaxpr, weight_inputs))
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "cond" and policy.if_convert:
             return True
         if name == "scan" and 0 < int(eqn.params["length"]) <= policy.unroll_limit:
             return True
-        if name == "while" and any(_read_kind(kinds, a) is _Kind.WEIGHT for a in eqn.invars):
+        if name in ("while", "scan") and any(
+            _read_kind(kinds, a) is _Kind.WEIGHT for a in eqn.invars
+        ):
             return True
-        if name == "scan" and any(_read_kind(kinds, a) is _Kind.WEIGHT for a in eqn.invars):
-            return True
-    if not policy.recognise_weight_ops:
-        return False
+    return False
+
+
+def _has_weight_ops(jaxpr: Jaxpr, weight_inputs: Mapping[int, Path]) -> bool:
+    """Whether the recognising pass has anything to do."""
+    kinds, _ = _static_kinds(jaxpr, *_input_kinds(jaxpr, weight_inputs))
     plans = _plan(jaxpr, kinds)
     absorbed = {i for p in plans.values() for i in p.absorbed}
     return bool(plans) or bool(_plan_element_wise(jaxpr, kinds, absorbed))
