@@ -438,11 +438,12 @@ def test_linked_groups_are_reported() -> None:
 
 class WithUnused(brainstate.nn.Module):
     """A leaky layer whose second weight ``U`` is never read or, with `dead_read`,
-    read only into a value nothing uses."""
+    read only into a value nothing uses; with `loop`, the layer takes two sub-steps of
+    a ``fori_loop`` (and the dead read is in the loop's body)."""
 
-    def __init__(self, dead_read: bool = False) -> None:
+    def __init__(self, dead_read: bool = False, loop: bool = False) -> None:
         super().__init__()
-        self.dead_read = dead_read
+        self.dead_read, self.loop = dead_read, loop
         self.W = brainstate.ParamState(0.3 * jnp.ones((3, 4)))
         self.U = brainstate.ParamState(jnp.ones((4,)))
 
@@ -450,9 +451,13 @@ class WithUnused(brainstate.nn.Module):
         self.h = brainstate.HiddenState(jnp.zeros(4))
 
     def update(self, x: Any) -> Any:
-        if self.dead_read:
-            _ = self.h.value * self.U.value  # never read
-        self.h.value = 0.5 * self.h.value + jnp.tanh(x @ self.W.value)
+        def sub_step(_: Any, h: Array) -> Array:
+            if self.dead_read:
+                _ = h * self.U.value  # never read
+            return 0.5 * h + jnp.tanh(x @ self.W.value)
+
+        h = self.h.value
+        self.h.value = jax.lax.fori_loop(0, 2, sub_step, h) if self.loop else sub_step(0, h)
         return self.h.value
 
 
@@ -467,11 +472,13 @@ def test_the_report_lists_unused_weights_apart() -> None:
     assert "exact instantaneous gradient" not in head
 
 
-def test_a_weight_read_only_by_dead_code_is_reported_unused() -> None:
+@pytest.mark.parametrize("loop", [False, True], ids=["step", "loop-body"])
+def test_a_weight_read_only_by_dead_code_is_reported_unused(loop: bool) -> None:
     """A ParamState that ``update`` reads only into a value nothing uses is unused
     (its gradient is zero, and the weights it sat beside are traced as without it), and
-    a warning says it was read by dead code."""
-    model = WithUnused(dead_read=True)
+    a warning says it was read by dead code, also where the read is in an unrolled
+    loop's body."""
+    model = WithUnused(dead_read=True, loop=loop)
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
     rules = graph.weight_rules()

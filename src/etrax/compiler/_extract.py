@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._compat import ClosedJaxpr, Var, equation_location, inner_closed_jaxprs, is_tracer
+from .._compat import ClosedJaxpr, equation_location, inner_closed_jaxprs, is_tracer
 from .._errors import (
     EtraxError,
     InputStructureError,
@@ -33,7 +33,7 @@ from .._typing import Path, PyTree, Shape
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
 from ._jaxpr import Program, VarTable, drop_dead_equations, inline_calls
 from ._module_info import ModuleInfo, StateInfo, StateKind, StateRefs
-from ._normalise import CompilePolicy, normalise
+from ._normalise import CompilePolicy, normalise, note_dead_reads
 
 __all__ = ["extract", "extract_module_info"]
 
@@ -537,37 +537,6 @@ def _weight_inputs(compiled_states: States, paths: Sequence[Path], num_in: int) 
     return out
 
 
-def _note_dead_reads(
-    closed: ClosedJaxpr,
-    live: ClosedJaxpr,
-    weights: Mapping[int, Path],
-    records: list[CompilationRecord],
-) -> None:
-    """A warning per weight that `update` reads only into values nothing uses (dead
-    code, which `drop_dead_equations` removed): nothing of it is learned."""
-
-    def read(c: ClosedJaxpr) -> set[Any]:
-        return {v for e in c.jaxpr.eqns for v in e.invars if isinstance(v, Var)}
-
-    before, after = read(closed), read(live)
-    invars = closed.jaxpr.invars
-    dead = dict.fromkeys(
-        p for i, p in weights.items() if invars[i] in before and invars[i] not in after
-    )
-    for p in dead:
-        records.append(
-            record(
-                DiagnosticKind.STATE_MISMATCH,
-                DiagnosticLevel.WARNING,
-                f"ParamState {p} is read by update() only into values that nothing uses "
-                "(dead code): nothing of it is learned, and its gradient is zero. Use the "
-                "value, or drop the read, if that is not intended.",
-                weight_path=p,
-                direction="read_only_by_dead_code",
-            )
-        )
-
-
 def extract(
     model: brainstate.nn.Module, *args: Any, policy: CompilePolicy | None = None
 ) -> ModuleInfo:
@@ -611,7 +580,7 @@ def extract(
     closed = inline_calls(closed)
     weights = _weight_inputs(compiled_states, paths, num_in)
     live = drop_dead_equations(closed)
-    _note_dead_reads(closed, live, weights, records)
+    note_dead_reads(closed, live, weights, records)
     closed = live
     policy = CompilePolicy() if policy is None else policy
     hidden_sizes = frozenset(

@@ -70,7 +70,7 @@ from .._typing import Path
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
 from ._jaxpr import drop_dead_equations, inline_calls
 
-__all__ = ["CompilePolicy", "normalise"]
+__all__ = ["CompilePolicy", "normalise", "note_dead_reads"]
 
 
 class CompilePolicy(eqx.Module):
@@ -1256,12 +1256,18 @@ def normalise(
     **Returns:** ``(jaxpr, records)``: the same jaxpr when nothing applies.
     """
     records: list[CompilationRecord] = []
+
+    def live(c: ClosedJaxpr) -> ClosedJaxpr:
+        kept = drop_dead_equations(c)
+        note_dead_reads(c, kept, weight_inputs, records)
+        return kept
+
     if _has_control_flow(closed.jaxpr, weight_inputs, policy):
         closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, True))
-        closed = drop_dead_equations(inline_calls(closed))
+        closed = live(inline_calls(closed))  # what a loop body computes and no one reads
     if policy.recognise_weight_ops and _has_weight_ops(closed.jaxpr, weight_inputs):
         closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, False))
-        closed = drop_dead_equations(closed)  # a value cut in pieces that no one reads whole
+        closed = live(closed)  # a value cut in pieces that no one reads whole
     return closed, records
 
 
@@ -1312,3 +1318,34 @@ def _has_weight_ops(jaxpr: Jaxpr, weight_inputs: Mapping[int, Path]) -> bool:
     plans = _plan(jaxpr, kinds)
     absorbed = {i for p in plans.values() for i in p.absorbed}
     return bool(plans) or bool(_plan_element_wise(jaxpr, kinds, absorbed))
+
+
+def note_dead_reads(
+    closed: ClosedJaxpr,
+    live: ClosedJaxpr,
+    weights: Mapping[int, Path],
+    records: list[CompilationRecord],
+) -> None:
+    """A warning per weight that `update` reads only into values nothing uses (dead
+    code, which `drop_dead_equations` removed): nothing of it is learned."""
+
+    def read(c: ClosedJaxpr) -> set[Any]:
+        return {v for e in c.jaxpr.eqns for v in e.invars if isinstance(v, Var)}
+
+    before, after = read(closed), read(live)
+    invars = closed.jaxpr.invars
+    dead = dict.fromkeys(
+        p for i, p in weights.items() if invars[i] in before and invars[i] not in after
+    )
+    for p in dead:
+        records.append(
+            record(
+                DiagnosticKind.STATE_MISMATCH,
+                DiagnosticLevel.WARNING,
+                f"ParamState {p} is read by update() only into values that nothing uses "
+                "(dead code): nothing of it is learned, and its gradient is zero. Use the "
+                "value, or drop the read, if that is not intended.",
+                weight_path=p,
+                direction="read_only_by_dead_code",
+            )
+        )
