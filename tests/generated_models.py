@@ -559,7 +559,9 @@ class FusedGates(Layer):
     small sum of it over the features joins the new ``h`` (which mixes positions).
     Variants 6 and 7 take one step or, in about half the layers, two sub-steps of a
     ``fori_loop`` that each cut ``gx + h @ Wh`` into the gates, with ``gx = x @ Wx + b``
-    computed once before the loop.
+    computed once before the loop. The other LSTMs, in about half the layers, take
+    their three sigmoid gates as ``split(sigmoid(fused[..., :3n]), 3)``: a part cut
+    again after a first cut.
     """
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
@@ -579,6 +581,7 @@ class FusedGates(Layer):
             self.g = brainstate.ParamState(1.0 + _param(rng, (k * n,), 0.2))
         self.whole = bool(rng.integers(2))
         self.sub_steps = int(rng.integers(1, 3)) if self.summed else 1
+        self.nested = bool(rng.integers(2)) if self.lstm and not self.summed else False
 
     def _whole(self, fused: Array) -> Array | float:
         """What the value cut adds to the new ``h`` when it is also used whole."""
@@ -632,9 +635,15 @@ class FusedGates(Layer):
         elif self.lstm:
             xh = jnp.concatenate([x, h], axis=-1)
             fused = self._product(xh) + self.b.value
-            i, f, o, g = jnp.split(fused, 4, axis=-1)
-            c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
-            new = jax.nn.sigmoid(o) * jnp.tanh(c) + self._whole(fused)
+            if self.nested:  # the three sigmoid gates cut again after a first cut
+                n = self.n
+                si, sf, so = jnp.split(jax.nn.sigmoid(fused[..., : 3 * n]), 3, axis=-1)
+                c = sf * self.c.value + si * jnp.tanh(fused[..., 3 * n :])
+                new = so * jnp.tanh(c) + self._whole(fused)
+            else:
+                i, f, o, g = jnp.split(fused, 4, axis=-1)
+                c = jax.nn.sigmoid(f) * self.c.value + jax.nn.sigmoid(i) * jnp.tanh(g)
+                new = jax.nn.sigmoid(o) * jnp.tanh(c) + self._whole(fused)
             self.c.value = c
         else:
             fused = self._product(x) + self.b.value

@@ -906,6 +906,131 @@ def test_a_loop_of_sub_steps_kept_whole_leaves_the_product_untraced() -> None:
         _online(graph, etrax.DRTRL(), jnp.zeros((1, 3)), jnp.zeros((1, 4)))
 
 
+class SlicedLSTM(brainstate.nn.Module):
+    """An LSTM written with its gates' sum cut twice, as hand-written LSTMs often are:
+    ``g = x @ W + h @ U + b``, then (``spelling``) ``"slice"``: ``i, f, o =
+    split(sigmoid(g[..., :3n]), 3)``; ``"whole"``: ``s = sigmoid(g)`` and ``i, f, o``
+    sliced from it; ``"reshape"``: ``i, f, o`` from ``sigmoid(g[..., :3n])``
+    reshaped to ``(3, n)`` (a cut that is no split along the features); the cell's
+    ``tanh(g[..., 3n:])`` in each. With ``fused=False``, the same model gate by gate."""
+
+    def __init__(self, spelling: str, n_in: int, n: int, fused: bool = True) -> None:
+        super().__init__()
+        self.spelling, self.n, self.fused = spelling, n, fused
+        self.w = _param(51, (n_in, 4 * n))
+        self.u = _param(52, (n, 4 * n), scale=0.3)
+        self.b = _param(53, (4 * n,), scale=0.1)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(self.n))
+        self.c = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def _gates(self, x: Array, h: Array) -> tuple[Array, Array, Array, Array]:
+        n, w, u, b = self.n, self.w.value, self.u.value, self.b.value
+        if not self.fused:
+            cols = [slice(k * n, (k + 1) * n) for k in range(4)]
+            i, f, o, c = (x @ w[:, j] + h @ u[:, j] + b[j] for j in cols)
+            return jax.nn.sigmoid(i), jax.nn.sigmoid(f), jax.nn.sigmoid(o), jnp.tanh(c)
+        g = x @ w + h @ u + b
+        if self.spelling == "slice":
+            i, f, o = jnp.split(jax.nn.sigmoid(g[..., : 3 * n]), 3, axis=-1)
+        elif self.spelling == "whole":
+            s = jax.nn.sigmoid(g)
+            i, f, o = s[..., :n], s[..., n : 2 * n], s[..., 2 * n : 3 * n]
+        else:
+            i, f, o = jax.nn.sigmoid(g[..., : 3 * n]).reshape(3, n)
+        return i, f, o, jnp.tanh(g[..., 3 * n :])
+
+    def update(self, x: ArrayLike) -> Array:
+        i, f, o, cell = self._gates(jnp.asarray(x), self.h.value)
+        self.c.value = f * self.c.value + i * cell
+        self.h.value = o * jnp.tanh(self.c.value)
+        return self.h.value
+
+
+@pytest.mark.parametrize("spelling", ["slice", "whole"])
+def test_gates_cut_again_after_a_first_cut_are_traced(spelling: str) -> None:
+    """The gates' sum is computed in pieces fine enough for every later cut: the
+    sigmoid's three gates, cut after a first cut (``g[..., :3n]``) or after the
+    sigmoid of the whole sum, read the pieces, one per gate. Every weight is traced
+    through every gate, with no position-mixing tail; every rule equals BPTT at
+    T = 1, and over a sequence D-RTRL learns the model exactly as the gate-by-gate
+    one. Before, the three gates were one ``3n``-wide op that lines up with no state
+    (``"slice"``), or the sigmoid of the pieces concatenated (``"whole"``: a mixing
+    tail)."""
+    model, split = SlicedLSTM(spelling, 3, 4), SlicedLSTM(spelling, 3, 4, fused=False)
+    brainstate.nn.init_all_states(model)
+    brainstate.nn.init_all_states(split)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    for path, status in graph.weight_rules().items():
+        assert status.rule is etrax.WeightRule.TRACED, (path, status)
+    assert not graph.explain(kind=K.TAIL_MIXES_POSITIONS)
+    assert not graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
+    products = [
+        r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
+    ]
+    assert [r.context_dict["parts"] for r in products] == [4, 4]
+    xs, ys = _sequence((3,), (4,), 6, seed=8)
+    _learns_like_gate_by_gate(graph, model, split, xs, ys)
+
+
+def test_a_part_cut_otherwise_keeps_its_width() -> None:
+    """The negative control: the three gates taken from ``sigmoid(g[..., :3n])`` by a
+    reshape, not by a split along the features, ask for no finer pieces; that part
+    stays one ``3n``-wide op, which lines up with no state (its weights' share is
+    learned from the instantaneous gradient), while the cell's part is traced."""
+    model = SlicedLSTM("reshape", 3, 4)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    for path, status in graph.weight_rules().items():
+        assert status.rule is etrax.WeightRule.PARTLY_TRACED, (path, status)
+        reasons = [use.reason for use in status.uses]
+        assert K.RELATION_EXCLUDED_SHAPE_MISMATCH in reasons, (path, status)
+    products = [
+        r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
+    ]
+    assert [r.context_dict["parts"] for r in products] == [2, 2]
+    _every_rule_is_exact_at_one_step(model, graph)
+
+
+class CutAgainButWhole(brainstate.nn.Module):
+    """``p = g[..., :2n]`` (``g = x @ W``) as wide as the state ``h2`` that reads
+    ``tanh(p)`` whole; ``tanh(p)`` is cut in two as well, for ``h``."""
+
+    def __init__(self, n_in: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.w = _param(61, (n_in, 3 * n))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h2 = brainstate.HiddenState(jnp.zeros(2 * self.n))
+        self.h = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def update(self, x: ArrayLike) -> Array:
+        g = jnp.asarray(x) @ self.w.value
+        t = jnp.tanh(g[..., : 2 * self.n])
+        a, b = jnp.split(t, 2, axis=-1)
+        self.h2.value = 0.5 * self.h2.value + t
+        self.h.value = a * self.h.value + b + jax.nn.sigmoid(g[..., 2 * self.n :])
+        return self.h.value
+
+
+def test_a_later_cut_that_cannot_be_taken_leaves_the_first_cut_as_it_was() -> None:
+    """A later cut asks for finer pieces only where a region takes it: here
+    ``tanh(p)`` is read whole by a state as wide as it, so it is not cut, and ``g``
+    keeps its two parts, ``p`` one op that lines up with ``h2`` (no concatenation of
+    finer pieces, which would mix positions)."""
+    model = CutAgainButWhole(3, 4)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    (product,) = graph.explain(kind=K.WEIGHT_OP_RECOGNISED)
+    assert product.context_dict["parts"] == 2
+    assert not graph.explain(kind=K.TAIL_MIXES_POSITIONS)
+    reached = {p for r in graph.hidden_param_op_relations for p in r.connected_hidden_paths}
+    assert reached == {("h",), ("h2",)}
+    _every_rule_is_exact_at_one_step(model, graph)
+
+
 def test_values_left_unused_do_not_change_what_is_traced() -> None:
     """Dead code, a value computed from the summed products and never read (here a
     second split of ``x @ Wx + b``), is not a use of its weights: the model is traced

@@ -24,7 +24,10 @@ Three rewrites, each optional through a `CompilePolicy`:
   the parts' gradients into the one ParamState. An op whose whole output lines up
   with no hidden state but whose parts do is cut even where its output is also used
   whole (a layer norm over the fused gates, a penalty on them): it is computed once
-  per part, and the whole value is the parts concatenated.
+  per part, and the whole value is the parts concatenated. A value whose parts (or
+  the values computed from it part by part) are cut again later is computed in
+  pieces fine enough for every cut, and the later cuts read those pieces
+  (``split(sigmoid(g[..., :3n]), 3)``).
 - **Control flow flattened.** ``lax.cond`` / ``lax.switch`` are if-converted (every
   branch evaluated, the result selected); a ``lax.scan`` (``fori_loop`` with static
   bounds) of at most `CompilePolicy.unroll_limit` steps is unrolled. Longer scans and
@@ -204,16 +207,25 @@ class _Region:
     cuts: list[int]  # split / slice equations on `root`
     pieces: list[tuple[int, int]]  # the feature ranges between every cut's bounds
     allow_whole: bool  # an op also used whole may be cut (see `_plan_regions`)
+    refined: bool  # pieces finer than its own cuts, for later cuts (`_later_bounds`)
     eqns: list[int] = field(default_factory=list)  # evaluated per part, in jaxpr order
     anchors: dict[Var, int] = field(default_factory=dict)  # an op's output → its anchor
     weights: dict[Var, int] = field(default_factory=dict)  # weight operand → its equation
     whole: set[Var] = field(default_factory=set)  # root / anchors also used whole
     shared: set[Var] = field(default_factory=set)  # anchors whose pieces an earlier region makes
+    values: set[Var] = field(default_factory=set)  # other values an earlier region makes in pieces
     read_whole: bool = False  # one of its own `whole` anchors is read outside every region
+    fine: bool = False  # some cut takes several pieces (a later cut needs finer bounds)
 
 
 _Pieces = list[tuple[tuple[int, int], Any]]
 """A value computed once per piece: each piece's feature range and value."""
+
+
+def _joined(pieces: _Pieces, lo: int, hi: int) -> Any:
+    """The part ``[lo, hi)`` of a value made in `pieces` (whose bounds hold both)."""
+    inside = [p for (a, _), p in pieces if lo <= a < hi]
+    return inside[0] if len(inside) == 1 else jnp.concatenate(inside, axis=-1)
 
 
 class _Uses:
@@ -469,6 +481,38 @@ def _plan_element_wise(
     return found
 
 
+def _later_bounds(jaxpr: Jaxpr) -> dict[Var, set[int]]:
+    """For every value, the feature bounds at which it, or a value computed from it
+    part by part (through `_PART_WISE` equations of its width, and the parts cut from
+    it), is cut later: ``sigmoid(g[..., :3n])`` cut in three asks `g` for bounds at
+    ``n``, ``2n`` and ``3n``. A region cut at all of them computes its value in pieces
+    fine enough for every later cut (`_Region.fine`)."""
+    bounds: dict[Var, set[int]] = {}
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name in ("split", "slice"):
+            root = eqn.invars[0]
+            shape = tuple(aval_of(root).shape) if isinstance(root, Var) else ()
+            ranges = _cut_parts(eqn, int(shape[-1])) if shape else None
+            if ranges is None or not isinstance(root, Var):
+                continue
+            into = bounds.setdefault(root, set())
+            for out, (lo, hi) in zip(eqn.outvars, ranges, strict=True):
+                into.update((lo, hi))
+                into.update(lo + b for b in bounds.get(out, ()) if 0 < b < hi - lo)
+        elif name in _PART_WISE and len(eqn.outvars) == 1 and eqn.outvars[0] in bounds:
+            out = eqn.outvars[0]
+            shape = tuple(aval_of(out).shape)
+            for a in eqn.invars:
+                if (
+                    isinstance(a, Var)
+                    and tuple(aval_of(a).shape)[-1:] == shape[-1:]
+                    and len(aval_of(a).shape) == len(shape)
+                ):
+                    bounds.setdefault(a, set()).update(bounds[out])
+    return bounds
+
+
 def _plan_regions(
     jaxpr: Jaxpr,
     kinds: Mapping[Var, _Kind],
@@ -485,7 +529,38 @@ def _plan_regions(
     the ranges between the bounds of every cut, and its whole value is the pieces
     concatenated. An op that an earlier region cuts so is read from its pieces by a
     later region whose bounds are among theirs (a product computed once before a loop
-    of sub-steps, and cut into the same gates in every step)."""
+    of sub-steps, and cut into the same gates in every step), and so is a value an
+    earlier region makes in pieces: its root used whole too, or a part it cuts that is
+    cut again later (``split(sigmoid(g[..., :3n]), 3)``; `_later_bounds`). A value
+    whose finer pieces no later region reads after all is planned again without them,
+    so that its parts stay one op each."""
+    later = _later_bounds(jaxpr)
+    while True:
+        regions = _regions_with(jaxpr, kinds, plans, hidden_sizes, later)
+        read = {v for r in regions for v in r.values}
+        unread = [
+            r.root
+            for r in regions
+            if r.refined
+            and r.root not in read
+            and not any(o in read for u in r.cuts for o in jaxpr.eqns[u].outvars)
+        ]
+        if not unread:
+            return regions
+        for p in plans.values():
+            p.cuts = []
+        for v in unread:
+            del later[v]
+
+
+def _regions_with(
+    jaxpr: Jaxpr,
+    kinds: Mapping[Var, _Kind],
+    plans: Mapping[int, _Fused],
+    hidden_sizes: frozenset[int],
+    later: Mapping[Var, set[int]],
+) -> list[_Region]:
+    """`_plan_regions` with the bounds that later cuts ask of each value, `later`."""
     uses = _Uses(jaxpr)
     producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
     results = {
@@ -495,9 +570,14 @@ def _plan_regions(
     roots: set[Var] = set()
     claimed: set[Var] = set()  # anchors of earlier regions
     shareable: dict[Var, frozenset[int]] = {}  # of those, the ones cut in pieces: their bounds
-    for eqn in jaxpr.eqns:
-        root = eqn.invars[0] if eqn.primitive.name in ("split", "slice") else None
-        if not isinstance(root, Var) or root in roots or root in claimed:
+    cut = dict.fromkeys(
+        e.invars[0]
+        for e in jaxpr.eqns
+        if e.primitive.name in ("split", "slice") and isinstance(e.invars[0], Var)
+    )
+    # a value before the values computed from it, so that those may read its pieces
+    for root in sorted(cut, key=lambda v: producers.get(v, -1)):
+        if root in roots or root in claimed:
             continue
         shape = tuple(aval_of(root).shape)
         if not shape:
@@ -511,7 +591,8 @@ def _plan_regions(
             and (r := _cut_parts(jaxpr.eqns[u], features)) is not None
         }
         cuts = sorted(ranges)
-        edges = {0, features, *(b for r in ranges.values() for part in r for b in part)}
+        own = {0, features, *(b for r in ranges.values() for part in r for b in part)}
+        edges = own | {b for b in later.get(root, ()) if 0 < b < features}
         pieces = list(itertools.pairwise(sorted(edges)))
         allow_whole = features not in hidden_sizes and any(
             hi - lo in hidden_sizes for lo, hi in pieces
@@ -521,13 +602,20 @@ def _plan_regions(
             continue
         roots.add(root)
         region = _Region(
-            root=root, features=features, cuts=cuts, pieces=pieces, allow_whole=allow_whole
+            root=root,
+            features=features,
+            cuts=cuts,
+            pieces=pieces,
+            allow_whole=allow_whole,
+            refined=edges != own,
         )
         if used_whole:
             region.whole.add(root)
         _grow(jaxpr, kinds, uses, producers, results, region, claimed, shareable)
         whole_root = used_whole and root not in region.anchors
-        if region.anchors and not (whole_root and producers.get(root) not in region.eqns):
+        if (region.anchors or region.values) and not (
+            whole_root and producers.get(root) not in region.eqns
+        ):
             region.eqns.sort()
             regions.append(region)
             claimed.update(region.anchors)
@@ -536,6 +624,17 @@ def _plan_regions(
                     plans[anchor].cuts = cuts
                     if var in region.whole:
                         shareable[var] = frozenset(edges)
+            region.fine = any(
+                sum(1 for a, _ in pieces if lo <= a < hi) > 1
+                for rs in ranges.values()
+                for lo, hi in rs
+            )
+            if whole_root:  # made in pieces where it is computed
+                shareable[root] = frozenset(edges)
+            if region.fine:  # its parts too, where they are cut
+                for u in cuts:
+                    for out, (lo, hi) in zip(jaxpr.eqns[u].outvars, ranges[u], strict=True):
+                        shareable[out] = frozenset(b - lo for b in edges if lo <= b <= hi)
     inside = {i for reg in regions for i in (*reg.eqns, *reg.cuts)}
     for reg in regions:
         reg.read_whole = any(
@@ -572,9 +671,12 @@ def _grow(
         _, _, var = heapq.heappop(todo)
         whole = var in uses.outputs or not set(uses.consumers.get(var, ())) <= taken
         if var in shareable and edges <= shareable[var]:
-            region.anchors[var] = results[var]
-            region.whole.add(var)
-            region.shared.add(var)
+            if var in results:
+                region.anchors[var] = results[var]
+                region.whole.add(var)
+                region.shared.add(var)
+            else:
+                region.values.add(var)
             continue
         if var in results and var not in claimed and (not whole or region.allow_whole):
             region.anchors[var] = results[var]
@@ -713,7 +815,17 @@ class _Rewriter:
                 region = by_cut[i]
                 ranges = _cut_parts(eqn, region.features)
                 assert ranges is not None
+                if region.fine and region.root not in pieces:  # every piece, once
+                    every = self._parts(jaxpr, plans, region, region.pieces, read, sources, pieces)
+                    pieces[region.root] = list(zip(region.pieces, every, strict=True))
                 values = self._parts(jaxpr, plans, region, ranges, read, sources, pieces)
+                if region.fine:  # a part cut again later: its pieces, from its own start
+                    for out, (lo, hi) in zip(eqn.outvars, ranges, strict=True):
+                        pieces[out] = [
+                            ((a - lo, b - lo), p)
+                            for (a, b), p in pieces[region.root]
+                            if lo <= a < hi
+                        ]
                 write(eqn.outvars, values)
                 continue
             if i in by_whole:  # a value also used whole: computed once per piece
@@ -875,8 +987,7 @@ class _Rewriter:
         value also used whole: from its `pieces`, computed where the value was)."""
 
         def joined(var: Var, lo: int, hi: int) -> Any:
-            inside = [p for (a, _), p in pieces[var] if lo <= a < hi]
-            return inside[0] if len(inside) == 1 else jnp.concatenate(inside, axis=-1)
+            return _joined(pieces[var], lo, hi)
 
         if region.root in pieces:
             return [joined(region.root, lo, hi) for lo, hi in ranges]
@@ -884,8 +995,9 @@ class _Rewriter:
         for var, anchor in region.anchors.items():
             if var not in region.whole:
                 operands[var] = self._operands(jaxpr, plans[anchor], read)
-                whole = len(ranges) if region.root in region.whole else None
-                self._note_recognised(jaxpr, plans[anchor], sources, whole)
+                whole = region.root in region.whole
+                count = len(region.pieces) if whole or region.fine else None
+                self._note_recognised(jaxpr, plans[anchor], sources, count, whole)
         for i in dict.fromkeys(region.weights.values()):
             eqn = jaxpr.eqns[i]
             atoms = [a for a in eqn.invars if isinstance(a, Var) and region.weights.get(a) == i]
@@ -901,6 +1013,8 @@ class _Rewriter:
                     return atom.val
                 if atom in part:
                     return part[atom]
+                if atom in region.values:  # made in pieces by an earlier region
+                    return joined(atom, lo, hi)
                 shape = tuple(aval_of(atom).shape)
                 if atom in region.weights:
                     eqn = jaxpr.eqns[region.weights[atom]]
