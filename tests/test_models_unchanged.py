@@ -1031,6 +1031,57 @@ def test_a_later_cut_that_cannot_be_taken_leaves_the_first_cut_as_it_was() -> No
     _every_rule_is_exact_at_one_step(model, graph)
 
 
+class TwoActivations(brainstate.nn.Module):
+    """``g = x @ W + h @ U``, then ``a, b = split(sigmoid(g))`` and ``c, d =
+    split(tanh(g))``: one sum that two values cut later are computed from; with
+    ``fused=False``, the same model gate by gate."""
+
+    def __init__(self, n_in: int, n: int, fused: bool = True) -> None:
+        super().__init__()
+        self.n, self.fused = n, fused
+        self.w = _param(71, (n_in, 2 * n))
+        self.u = _param(72, (n, 2 * n), scale=0.3)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def update(self, x: ArrayLike) -> Array:
+        x, h, n = jnp.asarray(x), self.h.value, self.n
+        w, u = self.w.value, self.u.value
+        if self.fused:
+            g = x @ w + h @ u
+            a, b = jnp.split(jax.nn.sigmoid(g), 2, axis=-1)
+            c, d = jnp.split(jnp.tanh(g), 2, axis=-1)
+        else:
+            g1, g2 = x @ w[:, :n] + h @ u[:, :n], x @ w[:, n:] + h @ u[:, n:]
+            a, b, c, d = jax.nn.sigmoid(g1), jax.nn.sigmoid(g2), jnp.tanh(g1), jnp.tanh(g2)
+        self.h.value = a * h + b * d + 0.1 * c
+        return self.h.value
+
+
+def test_a_sum_that_two_cut_values_are_computed_from_is_cut() -> None:
+    """The sum is not cut itself, but both values computed from it are, at the same
+    bounds: it is computed in those pieces, once, and both cut values read them.
+    Every weight is traced, with no position-mixing tail; every rule equals BPTT at
+    T = 1, and over a sequence D-RTRL learns the model exactly as the gate-by-gate
+    one. Before, nothing was cut, no weight was traced and online rules refused the
+    model (no relations)."""
+    model, split = TwoActivations(3, 4), TwoActivations(3, 4, fused=False)
+    brainstate.nn.init_all_states(model)
+    brainstate.nn.init_all_states(split)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    for path, status in graph.weight_rules().items():
+        assert status.rule is etrax.WeightRule.TRACED, (path, status)
+    assert not graph.explain(kind=K.TAIL_MIXES_POSITIONS)
+    products = [
+        r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
+    ]
+    assert [r.context_dict["parts"] for r in products] == [2, 2]
+    assert all("several cut values read" in r.message for r in products)
+    xs, ys = _sequence((3,), (4,), 6, seed=6)
+    _learns_like_gate_by_gate(graph, model, split, xs, ys)
+
+
 def test_values_left_unused_do_not_change_what_is_traced() -> None:
     """Dead code, a value computed from the summed products and never read (here a
     second split of ``x @ Wx + b``), is not a use of its weights: the model is traced

@@ -575,6 +575,20 @@ def _regions_with(
         for e in jaxpr.eqns
         if e.primitive.name in ("split", "slice") and isinstance(e.invars[0], Var)
     )
+    # and a value that is not cut itself but that several values cut later are
+    # computed from part by part (``split(sigmoid(g))`` and ``split(tanh(g))``)
+    for v, bounds in later.items():
+        shape = tuple(aval_of(v).shape)
+        i = producers.get(v)
+        if (
+            v not in results
+            and i is not None
+            and jaxpr.eqns[i].primitive.name in _PART_WISE
+            and shape
+            and any(0 < b < shape[-1] for b in bounds)
+            and len(set(uses.consumers.get(v, ()))) > 1
+        ):
+            cut[v] = None
     # a value before the values computed from it, so that those may read its pieces
     for root in sorted(cut, key=lambda v: producers.get(v, -1)):
         if root in roots or root in claimed:
@@ -598,7 +612,7 @@ def _regions_with(
             hi - lo in hidden_sizes for lo, hi in pieces
         )
         used_whole = root in uses.outputs or len(cuts) < len(consumers)
-        if not cuts or (used_whole and not allow_whole):
+        if (not cuts and edges == own) or (used_whole and not allow_whole):
             continue
         roots.add(root)
         region = _Region(
@@ -784,7 +798,8 @@ class _Rewriter:
         absorbed = {i for p in plans.values() for i in p.absorbed}
         absorbed.update(i for r in regions for i in r.eqns)
         element_wise_uses = _plan_element_wise(jaxpr, kinds, absorbed) if self.recognise else {}
-        by_emit = {p.emit_at: p for p in plans.values() if not p.cuts}
+        in_region = {a for r in regions for a in r.anchors.values()}
+        by_emit = {p.emit_at: p for a, p in plans.items() if a not in in_region}
         by_cut = {c: r for r in regions for c in r.cuts}
         by_whole = {
             plans[a].emit_at: (r, v)
@@ -995,9 +1010,9 @@ class _Rewriter:
         for var, anchor in region.anchors.items():
             if var not in region.whole:
                 operands[var] = self._operands(jaxpr, plans[anchor], read)
-                whole = region.root in region.whole
-                count = len(region.pieces) if whole or region.fine else None
-                self._note_recognised(jaxpr, plans[anchor], sources, count, whole)
+                pieced = region.root in region.whole or region.fine
+                count = len(region.pieces) if pieced else None
+                self._note_recognised(jaxpr, plans[anchor], sources, count, region.read_whole)
         for i in dict.fromkeys(region.weights.values()):
             eqn = jaxpr.eqns[i]
             atoms = [a for a in eqn.invars if isinstance(a, Var) and region.weights.get(a) == i]
