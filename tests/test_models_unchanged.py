@@ -908,7 +908,8 @@ def test_a_loop_of_sub_steps_kept_whole_leaves_the_product_untraced() -> None:
 
 class SlicedLSTM(brainstate.nn.Module):
     """An LSTM written with its gates' sum cut twice, as hand-written LSTMs often are:
-    ``g = x @ W + h @ U + b``, then (``spelling``) ``"slice"``: ``i, f, o =
+    ``g = x @ W + h @ U + b``, then (``spelling``) ``"split"``: ``i, f, o`` the
+    sigmoids of ``split(g[..., :3n], 3)``; ``"slice"``: ``i, f, o =
     split(sigmoid(g[..., :3n]), 3)``; ``"whole"``: ``s = sigmoid(g)`` and ``i, f, o``
     sliced from it; ``"reshape"``: ``i, f, o`` from ``sigmoid(g[..., :3n])``
     reshaped to ``(3, n)`` (a cut that is no split along the features); the cell's
@@ -932,7 +933,9 @@ class SlicedLSTM(brainstate.nn.Module):
             i, f, o, c = (x @ w[:, j] + h @ u[:, j] + b[j] for j in cols)
             return jax.nn.sigmoid(i), jax.nn.sigmoid(f), jax.nn.sigmoid(o), jnp.tanh(c)
         g = x @ w + h @ u + b
-        if self.spelling == "slice":
+        if self.spelling == "split":
+            i, f, o = (jax.nn.sigmoid(v) for v in jnp.split(g[..., : 3 * n], 3, axis=-1))
+        elif self.spelling == "slice":
             i, f, o = jnp.split(jax.nn.sigmoid(g[..., : 3 * n]), 3, axis=-1)
         elif self.spelling == "whole":
             s = jax.nn.sigmoid(g)
@@ -948,7 +951,7 @@ class SlicedLSTM(brainstate.nn.Module):
         return self.h.value
 
 
-@pytest.mark.parametrize("spelling", ["slice", "whole"])
+@pytest.mark.parametrize("spelling", ["split", "slice", "whole"])
 def test_gates_cut_again_after_a_first_cut_are_traced(spelling: str) -> None:
     """The gates' sum is computed in pieces fine enough for every later cut: the
     sigmoid's three gates, cut after a first cut (``g[..., :3n]``) or after the
@@ -956,8 +959,8 @@ def test_gates_cut_again_after_a_first_cut_are_traced(spelling: str) -> None:
     through every gate, with no position-mixing tail; every rule equals BPTT at
     T = 1, and over a sequence D-RTRL learns the model exactly as the gate-by-gate
     one. Before, the three gates were one ``3n``-wide op that lines up with no state
-    (``"slice"``), or the sigmoid of the pieces concatenated (``"whole"``: a mixing
-    tail)."""
+    (``"split"``, ``"slice"``), or the sigmoid of the pieces concatenated
+    (``"whole"``: a mixing tail)."""
     model, split = SlicedLSTM(spelling, 3, 4), SlicedLSTM(spelling, 3, 4, fused=False)
     brainstate.nn.init_all_states(model)
     brainstate.nn.init_all_states(split)
