@@ -18,8 +18,8 @@ import pytest
 from jaxtyping import Array, ArrayLike
 
 import etrax
+from etrax.compiler import CompilationRecord, StateKind
 from etrax.compiler import DiagnosticKind as K
-from etrax.compiler import StateKind
 
 from .oracles import bptt_grads
 
@@ -961,7 +961,17 @@ def test_gates_cut_again_after_a_first_cut_are_traced(spelling: str) -> None:
     one. Before, the three gates were one ``3n``-wide op that lines up with no state
     (``"split"``, ``"slice"``), or the sigmoid of the pieces concatenated
     (``"whole"``: a mixing tail)."""
-    model, split = SlicedLSTM(spelling, 3, 4), SlicedLSTM(spelling, 3, 4, fused=False)
+    model = SlicedLSTM(spelling, 3, 4)
+    products = _wholly_traced_like_gate_by_gate(model, SlicedLSTM(spelling, 3, 4, False), 4)
+    assert len(products) == 2
+
+
+def _wholly_traced_like_gate_by_gate(
+    model: brainstate.nn.Module, split: brainstate.nn.Module, parts: int
+) -> list[CompilationRecord]:
+    """`model` (3 inputs, 4 outputs) has every weight traced, no position-mixing tail
+    and every product cut in `parts`, and learns like `split` (`_learns_like_gate_by_gate`);
+    returns the products' records."""
     brainstate.nn.init_all_states(model)
     brainstate.nn.init_all_states(split)
     graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
@@ -972,9 +982,10 @@ def test_gates_cut_again_after_a_first_cut_are_traced(spelling: str) -> None:
     products = [
         r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
     ]
-    assert [r.context_dict["parts"] for r in products] == [4, 4]
+    assert [r.context_dict["parts"] for r in products] == [parts] * len(products)
     xs, ys = _sequence((3,), (4,), 6, seed=8)
     _learns_like_gate_by_gate(graph, model, split, xs, ys)
+    return products
 
 
 def test_a_part_cut_otherwise_keeps_its_width() -> None:
@@ -1069,20 +1080,10 @@ def test_a_sum_that_two_cut_values_are_computed_from_is_cut() -> None:
     T = 1, and over a sequence D-RTRL learns the model exactly as the gate-by-gate
     one. Before, nothing was cut, no weight was traced and online rules refused the
     model (no relations)."""
-    model, split = TwoActivations(3, 4), TwoActivations(3, 4, fused=False)
-    brainstate.nn.init_all_states(model)
-    brainstate.nn.init_all_states(split)
-    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
-    for path, status in graph.weight_rules().items():
-        assert status.rule is etrax.WeightRule.TRACED, (path, status)
-    assert not graph.explain(kind=K.TAIL_MIXES_POSITIONS)
-    products = [
-        r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
-    ]
-    assert [r.context_dict["parts"] for r in products] == [2, 2]
+    model = TwoActivations(3, 4)
+    products = _wholly_traced_like_gate_by_gate(model, TwoActivations(3, 4, fused=False), 2)
+    assert len(products) == 2
     assert all("several cut values read" in r.message for r in products)
-    xs, ys = _sequence((3,), (4,), 6, seed=6)
-    _learns_like_gate_by_gate(graph, model, split, xs, ys)
 
 
 def test_values_left_unused_do_not_change_what_is_traced() -> None:
