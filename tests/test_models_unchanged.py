@@ -1086,6 +1086,128 @@ def test_a_sum_that_two_cut_values_are_computed_from_is_cut() -> None:
     assert all("several cut values read" in r.message for r in products)
 
 
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "relu": jax.nn.relu,
+    "relu6": jax.nn.relu6,
+    "softplus": jax.nn.softplus,
+    "log_sigmoid": jax.nn.log_sigmoid,
+    "logaddexp": lambda g: jnp.logaddexp(g, 0.3),
+    "max": lambda g: jnp.maximum(g, 0.0),
+}
+"""Activations before a cut. All but ``max`` are ``custom_jvp`` functions in JAX
+(`jnp.logaddexp` with a constant operand, inside `jax.nn.softplus` and
+`jax.nn.log_sigmoid` after a jit); ``max`` is a plain primitive, the ReLU without its
+rule for the derivative at 0."""
+
+
+class ActivatedGates(brainstate.nn.Module):
+    """``a, b = split(act(x @ W + h @ U + c), 2)`` and ``h ← ½ tanh(a) h + tanh(b)``;
+    with ``fused=False``, the same model gate by gate (``act`` on each gate's own sum)."""
+
+    def __init__(self, act: str, n_in: int, n: int, fused: bool = True) -> None:
+        super().__init__()
+        self.act, self.n, self.fused = ACTIVATIONS[act], n, fused
+        self.w = _param(81, (n_in, 2 * n))
+        self.u = _param(82, (n, 2 * n), scale=0.3)
+        self.c = brainstate.ParamState(jnp.zeros(2 * n))
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros(self.n))
+
+    def update(self, x: ArrayLike) -> Array:
+        x, h, n = jnp.asarray(x), self.h.value, self.n
+        w, u, c = self.w.value, self.u.value, self.c.value
+        if self.fused:
+            a, b = jnp.split(self.act(x @ w + h @ u + c), 2, axis=-1)
+        else:
+            a = self.act(x @ w[:, :n] + h @ u[:, :n] + c[:n])
+            b = self.act(x @ w[:, n:] + h @ u[:, n:] + c[n:])
+        self.h.value = 0.5 * jnp.tanh(a) * h + jnp.tanh(b)
+        return self.h.value
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "softplus", "log_sigmoid", "logaddexp"])
+def test_a_custom_jvp_activation_before_a_cut_is_evaluated_part_by_part(act: str) -> None:
+    """An element-wise ``custom_jvp`` activation (`jax.nn.relu`, `jax.nn.softplus`, …)
+    between the products and the cut is evaluated on each gate's part with its own
+    JVP rule, as `jax.nn.sigmoid` is: every weight traced, no position-mixing tail,
+    each product cut in 2; every rule equals BPTT at T = 1, and D-RTRL over a sequence
+    learns the model exactly as the gate-by-gate one. Before, the activation was read
+    whole and the 8-wide sum lined up with no state (every weight only instantaneous,
+    ``relation_excluded_shape_mismatch``)."""
+    model = ActivatedGates(act, 3, 4)
+    _wholly_traced_like_gate_by_gate(model, ActivatedGates(act, 3, 4, fused=False), 2)
+
+
+def test_a_custom_jvp_rule_is_kept_on_the_parts() -> None:
+    """The parts keep the call's own derivative: from a zero state, input and bias the
+    sum is exactly 0, where `jax.nn.relu`'s rule gives 0 and the plain ``max`` ½. Both
+    fused models equal BPTT at T = 1 (relu: a zero bias gradient), and the two
+    gradients differ, so the check would see the rule lost."""
+    xs, ys = jnp.zeros((1, 3)), jnp.ones((1, 4))
+    grads = {}
+    for act in ("relu", "max"):
+        model = ActivatedGates(act, 3, 4)
+        brainstate.nn.init_all_states(model)
+        graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+        assert all(s.rule is etrax.WeightRule.TRACED for s in graph.weight_rules().values())
+        exact = bptt_grads(model, etrax.state_of(graph), xs, ys, sq)
+        for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+            _close(dict(_online(graph, algo, xs, ys)), exact)
+        grads[act] = np.asarray(exact[("c",)])
+    assert not np.any(grads["relu"])
+    assert np.all(grads["max"][4:] != 0.0)
+
+
+@jax.custom_jvp
+def _centred(g: Array) -> Array:
+    """``g`` less its mean over the features: a ``custom_jvp`` call that mixes them."""
+    return g - jnp.mean(g, axis=-1, keepdims=True)
+
+
+@_centred.defjvp
+def _centred_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    return _centred(primals[0]), _centred(tangents[0])
+
+
+_GAINS = jnp.linspace(0.5, 1.5, 8)
+
+
+@jax.custom_jvp
+def _gained(g: Array) -> Array:
+    """``g`` times a constant gain per feature: element-wise, but the constant has the
+    whole shape (8 features), so the call cannot be evaluated on a part of them."""
+    return g * _GAINS
+
+
+@_gained.defjvp
+def _gained_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    return _gained(primals[0]), tangents[0] * _GAINS
+
+
+@pytest.mark.parametrize("act", ["centred", "gained"])
+def test_a_custom_jvp_call_that_cannot_be_cut_is_read_whole(act: str) -> None:
+    """The negative controls: a ``custom_jvp`` call that mixes the features (``g``
+    less its mean), or holds a constant of their whole width (a gain per feature), is
+    not evaluated part by part, and nothing is cut: the 8-wide sum lines up with no
+    state (``relation_excluded_shape_mismatch``), every weight is learned from its
+    instantaneous gradient, and online rules refuse the model (no relations) with
+    etrax's error, as they did for every ``custom_jvp`` activation before."""
+    ACTIVATIONS[act] = _centred if act == "centred" else _gained
+    try:
+        model = ActivatedGates(act, 3, 4)
+    finally:
+        del ACTIVATIONS[act]
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    assert not graph.hidden_param_op_relations
+    for path in (("w",), ("u",), ("c",)):
+        status = graph.weight_rules()[path]
+        assert status.reason is K.RELATION_EXCLUDED_SHAPE_MISMATCH, (path, status)
+    with pytest.raises(etrax.CompilationError, match="no relations"):
+        _online(graph, etrax.DRTRL(), *_sequence((3,), (4,), 1))
+
+
 def test_values_left_unused_do_not_change_what_is_traced() -> None:
     """Dead code, a value computed from the summed products and never read (here a
     second split of ``x @ Wx + b``), is not a use of its weights: the model is traced

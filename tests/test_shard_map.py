@@ -249,19 +249,48 @@ class SpikingReadout(brainstate.nn.Module):
         return self.out(self.neu(self.fc(x)))
 
 
-@pytest.mark.parametrize("kind", ["relu", "alif"])
+class ReluGates(brainstate.nn.Module):
+    """``a, b = split(relu(x @ W + h @ U), 2)``: `jax.nn.relu` evaluated on each gate's
+    part of the products (`etrax.compiler`'s fused gates), and a readout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        key = jax.random.PRNGKey(5)
+        self.w = brainstate.ParamState(0.5 * jax.random.normal(key, (3, 8)))
+        self.u = brainstate.ParamState(0.3 * jax.random.normal(jax.random.fold_in(key, 1), (4, 8)))
+        self.out = etrax.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (4,) if batch_size is None else (batch_size, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
+
+    def update(self, x: Any) -> Any:
+        h = self.h.value
+        a, b = jnp.split(jax.nn.relu(x @ self.w.value + h @ self.u.value), 2, axis=-1)
+        self.h.value = 0.5 * jnp.tanh(a) * h + jnp.tanh(b)
+        return self.out(self.h.value)
+
+
+@pytest.mark.parametrize("kind", ["relu", "alif", "relu_gates"])
 def test_custom_jvp_models_under_shard_map_and_pmap(kind: str) -> None:
-    """Models whose step calls a `custom_jvp` function (a spike's surrogate, ReLU):
-    the step, `bptt_grad` and every online rule under `jax.shard_map` (then under
-    `jax.pmap`, in the same process) equal the single-device results. Re-binding the
-    call's jaxpr, made outside the map, mixed varying values with invariant literals
-    (a raw JAX error), and the rule's JVP jaxpr, traced once, must not keep the mesh
-    of the first map it ran under."""
-    args = (SpikingReadout,) if kind == "alif" else (LoopedLeak, "relu")
+    """Models whose step calls a `custom_jvp` function (a spike's surrogate, ReLU,
+    ReLU evaluated gate by gate on the parts of a product): the step, `bptt_grad` and
+    every online rule under `jax.shard_map` (then under `jax.pmap`, in the same
+    process) equal the single-device results. Re-binding the call's jaxpr, made
+    outside the map, mixed varying values with invariant literals (a raw JAX error),
+    and the rule's JVP jaxpr, traced once, must not keep the mesh of the first map it
+    ran under."""
+    cls: dict[str, tuple[Any, ...]] = {
+        "alif": (SpikingReadout,), "relu": (LoopedLeak, "relu"), "relu_gates": (ReluGates,)
+    }  # fmt: skip
+    args = cls[kind]
     full_model, _ = build(*args, batch=4)
     local_model, _ = build(*args, batch=2)
     full = etrax.compile_etrace_graph(full_model, jnp.zeros((4, 3)))
     local = etrax.compile_etrace_graph(local_model, jnp.zeros((2, 3)))
+    if kind == "relu_gates":  # cut into the gates, with the ReLU on each part
+        rules_of = local.weight_rules()
+        assert all(rules_of[p].rule is etrax.WeightRule.TRACED for p in (("w",), ("u",)))
     state = etrax.state_of(full)
     state = state.replace_hidden(
         {p: 0.5 * jax.random.normal(jax.random.PRNGKey(n), jnp.shape(v), jnp.result_type(v))

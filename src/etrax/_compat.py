@@ -6,6 +6,7 @@ If a JAX release moves one of these names, this module is the only one to fix.
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
@@ -32,8 +33,10 @@ __all__ = [
     "aval_of",
     "bind",
     "bind_equation",
+    "bind_in_parts",
     "call_body",
     "constant_outputs",
+    "custom_jvp_rules",
     "define_primitive",
     "derivative_rules_key",
     "equation_context",
@@ -314,20 +317,23 @@ def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _bind_custom_jvp(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+def _bind_custom_jvp(
+    eqn: Any, invals: Sequence[Any], evaluate: Callable[..., list[Any]] = eval_jaxpr
+) -> list[Any]:
     """Re-bind a ``custom_jvp_call`` (a surrogate spike, `jax.nn.relu`) inside
     `jax.shard_map` on inputs that vary over a mesh axis. JAX re-traces the call's
     function and, when differentiated, its JVP rule from jaxprs made outside the map,
     whose equations (``x >= 0``) mix varying values with invariant literals; both are
-    re-evaluated here through `eval_jaxpr`, which casts such operands to varying as
-    tracing user code inside the map would have. The custom JVP rule is kept."""
+    re-evaluated here through `evaluate` (`eval_jaxpr`), which casts such operands to
+    varying as tracing user code inside the map would have. The custom JVP rule is
+    kept."""
     params = dict(eqn.params)
     call = params.pop("call_jaxpr")
     n_consts = params.pop("num_consts")
     rule = params.pop("jvp_jaxpr_fun")
 
     def fun(*args: Any) -> list[Any]:
-        return eval_jaxpr(call.jaxpr, call.consts, *args)
+        return evaluate(call.jaxpr, call.consts, *args)
 
     def jvp(*xs: Any) -> list[Any]:
         half = len(xs) // 2  # primals then tangents, each led by the call's constants
@@ -338,7 +344,7 @@ def _bind_custom_jvp(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         with jax.sharding.use_abstract_mesh(_NO_MESH):
             jaxpr, consts, out_zeros = rule.call_wrapped(*zeros)
         given = [t for t, z in zip(tangents, zeros, strict=True) if not z]
-        out = eval_jaxpr(jaxpr, consts, *primals, *given)
+        out = evaluate(jaxpr, consts, *primals, *given)
         out_primals, nonzero = out[: len(out_zeros)], iter(out[len(out_zeros) :])
         out_tangents = [
             _SymbolicZero(jax.typeof(p).to_tangent_aval()) if z else next(nonzero)
@@ -351,6 +357,75 @@ def _bind_custom_jvp(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         _lu.wrap_init(jvp, debug_info=rule.debug_info),
     )
     return list(eqn.primitive.bind(*invals, subfuns=wrapped, **params))
+
+
+def custom_jvp_rules(eqn: Any) -> list["jex.ClosedJaxpr"]:
+    """The jaxprs of a ``custom_jvp_call``'s JVP rule as JAX traces them on the call's
+    own input shapes: one, or with symbolic zeros one for each set of inputs whose
+    tangents may be zero (but not all of them: then no rule runs)."""
+    rule = eqn.params["jvp_jaxpr_fun"]
+    n = len(eqn.invars) - eqn.params["num_consts"]
+    # without symbolic zeros, JAX gives the rule every tangent, zeros made explicit
+    flags = itertools.product((False, True), repeat=n) if eqn.params["symbolic_zeros"] else [()]
+    found = []
+    for zeros in flags:
+        zeros = zeros or (False,) * n
+        if all(zeros):
+            continue
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            jaxpr, consts, _ = rule.call_wrapped(*zeros)
+        found.append(jex.ClosedJaxpr(jaxpr, consts))
+    return found
+
+
+def bind_in_parts(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Re-bind an element-wise equation on parts of its operands cut along their last
+    axis (operands of the equation's shape cut, scalars as they are). A plain
+    primitive is re-bound as it is. A ``custom_jvp_call`` (`jax.nn.relu`,
+    `jax.nn.softplus`) keeps its JVP rule: its function and rule, whose jaxprs were
+    traced on the whole operands, are evaluated on the parts, each constant they
+    broadcast to the whole shape broadcast to the part's instead. The caller checks
+    that every value in those jaxprs has the whole shape or none, so that nothing
+    else in them depends on it."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return bind_equation(eqn, invals)
+    whole = tuple(aval_of(eqn.outvars[0]).shape)
+    part = next(
+        (jnp.shape(v) for v, a in zip(invals, eqn.invars, strict=True) if aval_of(a).shape),
+        whole,
+    )
+    evaluate = functools.partial(_eval_resized, whole, tuple(part))
+    with equation_context(eqn):
+        return _bind_custom_jvp(eqn, match_varying(invals), evaluate)
+
+
+def _eval_resized(
+    whole: tuple[int, ...], part: tuple[int, ...], jaxpr: Any, consts: Sequence[Any], *args: Any
+) -> list[Any]:
+    """`eval_jaxpr` of an element-wise `jaxpr` traced on `whole`-shaped values, on
+    `part`-shaped ones (`bind_in_parts`)."""
+    env: dict[Any, Any] = {}
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    evaluate = functools.partial(_eval_resized, whole, part)
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, a) for a in eqn.invars]
+        body = call_body(eqn)
+        if eqn.primitive.name == "broadcast_in_dim" and tuple(eqn.params["shape"]) == whole:
+            with equation_context(eqn):
+                dims = eqn.params["broadcast_dimensions"]
+                outs = [jax.lax.broadcast_in_dim(invals[0], part, dims)]
+        elif body is not None:
+            outs = evaluate(body.jaxpr, body.consts, *invals)
+        elif eqn.primitive.name == "custom_jvp_call":
+            with equation_context(eqn):
+                outs = _bind_custom_jvp(eqn, match_varying(invals), evaluate)
+        else:
+            outs = bind_equation(eqn, invals)
+        for v, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, jex.DropVar):
+                env[v] = val
+    return [_read(env, a) for a in jaxpr.outvars]
 
 
 def _closed_fn(closed: Any, *leading: Any) -> Callable[..., list[Any]]:

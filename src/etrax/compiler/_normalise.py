@@ -64,6 +64,9 @@ from .._compat import (
     Var,
     aval_of,
     bind_equation,
+    bind_in_parts,
+    call_body,
+    custom_jvp_rules,
     equation_context,
     equation_location,
     struct_of,
@@ -163,6 +166,72 @@ _PART_WISE = frozenset(
 """Element-wise primitives that recognised ops' outputs may pass through, alone or
 meeting each other, data, constants or weights along the features, before the result
 is cut into parts along its features: each is evaluated part by part."""
+
+_ELEMENT_WISE_BODY = _PART_WISE | {"and", "or", "not", "xor", "is_finite", "stop_gradient"}
+"""The primitives a ``custom_jvp_call``'s function and JVP rule may hold for the call to
+be evaluated part by part (`_element_wise_call`)."""
+
+
+def _part_wise(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` can be evaluated part by part along its features: a `_PART_WISE`
+    primitive, or an element-wise ``custom_jvp_call`` (`_element_wise_call`)."""
+    return eqn.primitive.name in _PART_WISE or _element_wise_call(eqn)
+
+
+def _element_wise_call(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a ``custom_jvp_call`` (`jax.nn.relu`, `jax.nn.softplus`,
+    `jnp.logaddexp`, a surrogate spike) whose function and JVP rules are element-wise:
+    every value in them has the call's output shape or is a scalar, and every
+    equation is an `_ELEMENT_WISE_BODY` primitive, a scalar broadcast to that shape, a
+    nested call or such a ``custom_jvp_call``. It is then evaluated on parts of its
+    operands with its own JVP rule (`bind_in_parts`)."""
+    return _element_wise_call_in(eqn, frozenset())
+
+
+def _element_wise_call_in(eqn: JaxprEqn, met: frozenset[tuple[str, str]]) -> bool:
+    """`_element_wise_call`, where the calls in `met` (by name and function) are
+    being checked further up: a JVP rule holds its own call (``relu``'s rule calls
+    ``relu``), which counts as element-wise there."""
+    if eqn.primitive.name != "custom_jvp_call" or len(eqn.outvars) != 1:
+        return False
+    whole = tuple(aval_of(eqn.outvars[0]).shape)
+    if not whole or any(tuple(aval_of(a).shape) not in ((), whole) for a in eqn.invars):
+        return False
+    call = eqn.params["call_jaxpr"]
+    key = (str(eqn.params.get("name")), str(call.jaxpr))  # a rule's call is a new trace
+    if key in met:
+        return True
+    met = met | {key}
+    bodies = [call, *custom_jvp_rules(eqn)]
+    return all(_element_wise_body(b.jaxpr, whole, met) for b in bodies)
+
+
+def _element_wise_body(
+    jaxpr: Jaxpr, whole: tuple[int, ...], met: frozenset[tuple[str, str]]
+) -> bool:
+    """Whether every equation of `jaxpr` is element-wise on `whole`-shaped values
+    (`_element_wise_call`), and its constants scalars (a constant of the whole shape
+    would not be cut with the operands)."""
+    if any(tuple(aval_of(v).shape) for v in jaxpr.constvars):
+        return False
+    for eqn in jaxpr.eqns:
+        atoms = [*eqn.invars, *(v for v in eqn.outvars if not isinstance(v, DropVar))]
+        if any(tuple(aval_of(a).shape) not in ((), whole) for a in atoms):
+            return False
+        name = eqn.primitive.name
+        body = call_body(eqn)
+        if name == "broadcast_in_dim":
+            if tuple(aval_of(eqn.invars[0]).shape):
+                return False
+        elif body is not None:
+            if not _element_wise_body(body.jaxpr, whole, met):
+                return False
+        elif name == "custom_jvp_call":
+            if not _element_wise_call_in(eqn, met):
+                return False
+        elif name not in _ELEMENT_WISE_BODY:
+            return False
+    return True
 
 
 @dataclass
@@ -500,7 +569,7 @@ def _later_bounds(jaxpr: Jaxpr) -> dict[Var, set[int]]:
             for out, (lo, hi) in zip(eqn.outvars, ranges, strict=True):
                 into.update((lo, hi))
                 into.update(lo + b for b in bounds.get(out, ()) if 0 < b < hi - lo)
-        elif name in _PART_WISE and len(eqn.outvars) == 1 and eqn.outvars[0] in bounds:
+        elif _part_wise(eqn) and len(eqn.outvars) == 1 and eqn.outvars[0] in bounds:
             out = eqn.outvars[0]
             shape = tuple(aval_of(out).shape)
             for a in eqn.invars:
@@ -583,7 +652,7 @@ def _regions_with(
         if (
             v not in results
             and i is not None
-            and jaxpr.eqns[i].primitive.name in _PART_WISE
+            and _part_wise(jaxpr.eqns[i])
             and shape
             and any(0 < b < shape[-1] for b in bounds)
             and len(set(uses.consumers.get(v, ()))) > 1
@@ -705,7 +774,7 @@ def _grow(
         if i is None:
             continue
         eqn = jaxpr.eqns[i]
-        if eqn.primitive.name not in _PART_WISE or len(eqn.outvars) != 1:
+        if not _part_wise(eqn) or len(eqn.outvars) != 1:
             continue
         inner: list[Var] = []
         weights: list[Var] = []
@@ -1047,7 +1116,7 @@ class _Rewriter:
                 part[var] = joined(var, lo, hi)
             for i in region.eqns:
                 eqn = jaxpr.eqns[i]
-                (part[eqn.outvars[0]],) = bind_equation(eqn, [value(a) for a in eqn.invars])
+                (part[eqn.outvars[0]],) = bind_in_parts(eqn, [value(a) for a in eqn.invars])
             outs.append(part[region.root])
         return outs
 
