@@ -561,7 +561,10 @@ class FusedGates(Layer):
     ``fori_loop`` that each cut ``gx + h @ Wh`` into the gates, with ``gx = x @ Wx + b``
     computed once before the loop. The other LSTMs, in about half the layers, take
     their three sigmoid gates as ``split(sigmoid(fused[..., :3n]), 3)``: a part cut
-    again after a first cut.
+    again after a first cut. The one-step GRUs spelled with ``jnp.einsum`` (variant 2)
+    or ``jnp.dot`` (variant 4) whose cut value is not used whole take a ``custom_jvp``
+    activation before the cut, ``split(relu(x @ Wx + b), 3)`` or with `jax.nn.softplus`
+    (decided from the draws above, so the other layers are as they were).
     """
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
@@ -582,6 +585,7 @@ class FusedGates(Layer):
         self.whole = bool(rng.integers(2))
         self.sub_steps = int(rng.integers(1, 3)) if self.summed else 1
         self.nested = bool(rng.integers(2)) if self.lstm and not self.summed else False
+        self.activated = not (self.lstm or self.summed or self.whole) and self.spelling > 0
 
     def _whole(self, fused: Array) -> Array | float:
         """What the value cut adds to the new ``h`` when it is also used whole."""
@@ -647,6 +651,8 @@ class FusedGates(Layer):
             self.c.value = c
         else:
             fused = self._product(x) + self.b.value
+            if self.activated:  # a custom_jvp call before the cut
+                fused = (jax.nn.relu if self.spelling == 1 else jax.nn.softplus)(fused)
             xr, xz, xn = jnp.split(fused, 3, axis=-1)
             hr, hz, hn = jnp.split(h @ self.wh.value, 3, axis=-1)
             r = jax.nn.sigmoid(xr + hr)
