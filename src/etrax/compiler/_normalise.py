@@ -569,7 +569,7 @@ def _later_bounds(jaxpr: Jaxpr) -> dict[Var, set[int]]:
             for out, (lo, hi) in zip(eqn.outvars, ranges, strict=True):
                 into.update((lo, hi))
                 into.update(lo + b for b in bounds.get(out, ()) if 0 < b < hi - lo)
-        elif _part_wise(eqn) and len(eqn.outvars) == 1 and eqn.outvars[0] in bounds:
+        elif len(eqn.outvars) == 1 and eqn.outvars[0] in bounds and _part_wise(eqn):
             out = eqn.outvars[0]
             shape = tuple(aval_of(out).shape)
             for a in eqn.invars:
@@ -652,10 +652,10 @@ def _regions_with(
         if (
             v not in results
             and i is not None
-            and _part_wise(jaxpr.eqns[i])
             and shape
             and any(0 < b < shape[-1] for b in bounds)
             and len(set(uses.consumers.get(v, ()))) > 1
+            and _part_wise(jaxpr.eqns[i])
         ):
             cut[v] = None
     # a value before the values computed from it, so that those may read its pieces
