@@ -202,8 +202,11 @@ def _element_wise_call_in(eqn: JaxprEqn, met: frozenset[tuple[str, str]]) -> boo
     if key in met:
         return True
     met = met | {key}
-    bodies = [call, *custom_jvp_rules(eqn)]
-    return all(_element_wise_body(b.jaxpr, whole, met) for b in bodies)
+    try:
+        rules = custom_jvp_rules(eqn)
+    except Exception:  # a rule that cannot be traced here: the call stays whole, as before
+        return False
+    return all(_element_wise_body(b.jaxpr, whole, met) for b in [call, *rules])
 
 
 def _element_wise_body(
