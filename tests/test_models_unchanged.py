@@ -1204,6 +1204,8 @@ def test_a_custom_jvp_call_that_cannot_be_cut_is_read_whole(act: str) -> None:
     for path in (("w",), ("u",), ("c",)):
         status = graph.weight_rules()[path]
         assert status.reason is K.RELATION_EXCLUDED_SHAPE_MISMATCH, (path, status)
+    for r in graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH):
+        assert "wider than the group's last axis" in r.message, r.message
     with pytest.raises(etrax.CompilationError, match="no relations"):
         _online(graph, etrax.DRTRL(), *_sequence((3,), (4,), 1))
 

@@ -472,11 +472,22 @@ def _tail(
             and op.y_shape[:-1] == tuple(V[:-1])
             and op.y_shape[-1] < V[-1]
         )
+        wider = (
+            len(op.y_shape) == len(V) > 0
+            and op.y_shape[:-1] == tuple(V[:-1])
+            and op.y_shape[-1] > V[-1]
+        )
         hint = (
             " y fills only part of the group's last axis, as when the states of two "
             "populations are concatenated into one: keep each part in a HiddenState of its "
             "own to trace it."
             if part
+            else " y is wider than the group's last axis, as when fused gates are cut after "
+            "a function that is not evaluated part by part (a sum or norm over the "
+            "features, a jax.custom_vjp call, a jax.custom_jvp call that mixes the features "
+            "or holds a constant per feature): cut the gates before it, or compute each "
+            "gate with a product of its own, to trace them."
+            if wider
             else ""
         )
         return None, record(
