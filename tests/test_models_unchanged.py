@@ -1104,9 +1104,12 @@ class ActivatedGates(brainstate.nn.Module):
     """``a, b = split(act(x @ W + h @ U + c), 2)`` and ``h ← ½ tanh(a) h + tanh(b)``;
     with ``fused=False``, the same model gate by gate (``act`` on each gate's own sum)."""
 
-    def __init__(self, act: str, n_in: int, n: int, fused: bool = True) -> None:
+    def __init__(
+        self, act: str | Callable[[Array], Array], n_in: int, n: int, fused: bool = True
+    ) -> None:
         super().__init__()
-        self.act, self.n, self.fused = ACTIVATIONS[act], n, fused
+        self.act = ACTIVATIONS[act] if isinstance(act, str) else act
+        self.n, self.fused = n, fused
         self.w = _param(81, (n_in, 2 * n))
         self.u = _param(82, (n, 2 * n), scale=0.3)
         self.c = brainstate.ParamState(jnp.zeros(2 * n))
@@ -1193,11 +1196,7 @@ def test_a_custom_jvp_call_that_cannot_be_cut_is_read_whole(act: str) -> None:
     state (``relation_excluded_shape_mismatch``), every weight is learned from its
     instantaneous gradient, and online rules refuse the model (no relations) with
     etrax's error, as they did for every ``custom_jvp`` activation before."""
-    ACTIVATIONS[act] = _centred if act == "centred" else _gained
-    try:
-        model = ActivatedGates(act, 3, 4)
-    finally:
-        del ACTIVATIONS[act]
+    model = ActivatedGates(_centred if act == "centred" else _gained, 3, 4)
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
     assert not graph.hidden_param_op_relations
