@@ -178,11 +178,18 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluate `jaxpr` equation by equation with `bind_equation` (a thin, explicit
     version of JAX's own evaluator that also casts invariant operands to varying
     inside `jax.shard_map`, as JAX's `lax` functions do when tracing user code)."""
+    return _evaluate(bind_equation, jaxpr, consts, args)
+
+
+def _evaluate(
+    bind: Callable[[Any, list[Any]], list[Any]], jaxpr: Any, consts: Sequence[Any], args: Any
+) -> list[Any]:
+    """`jaxpr` evaluated equation by equation, each with ``bind(eqn, invals)``."""
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
-        outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
+        outs = bind(eqn, [_read(env, a) for a in eqn.invars])
         for v, val in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jex.DropVar):
                 env[v] = val
@@ -404,28 +411,26 @@ def _eval_resized(
 ) -> list[Any]:
     """`eval_jaxpr` of an element-wise `jaxpr` traced on `whole`-shaped values, on
     `part`-shaped ones (`bind_in_parts`)."""
-    env: dict[Any, Any] = {}
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+    return _evaluate(functools.partial(_bind_resized, whole, part), jaxpr, consts, args)
+
+
+def _bind_resized(
+    whole: tuple[int, ...], part: tuple[int, ...], eqn: Any, invals: list[Any]
+) -> list[Any]:
+    """One equation of `_eval_resized`: a scalar broadcast to `whole` is broadcast to
+    `part`, and nested calls are evaluated on the parts too."""
     evaluate = functools.partial(_eval_resized, whole, part)
-    for eqn in jaxpr.eqns:
-        invals = [_read(env, a) for a in eqn.invars]
-        body = call_body(eqn)
-        if eqn.primitive.name == "broadcast_in_dim" and tuple(eqn.params["shape"]) == whole:
-            with equation_context(eqn):
-                dims = eqn.params["broadcast_dimensions"]
-                outs = [jax.lax.broadcast_in_dim(invals[0], part, dims)]
-        elif body is not None:
-            outs = evaluate(body.jaxpr, body.consts, *invals)
-        elif eqn.primitive.name == "custom_jvp_call":
-            with equation_context(eqn):
-                outs = _bind_custom_jvp(eqn, match_varying(invals), evaluate)
-        else:
-            outs = bind_equation(eqn, invals)
-        for v, val in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, jex.DropVar):
-                env[v] = val
-    return [_read(env, a) for a in jaxpr.outvars]
+    body = call_body(eqn)
+    if eqn.primitive.name == "broadcast_in_dim" and tuple(eqn.params["shape"]) == whole:
+        with equation_context(eqn):
+            dims = eqn.params["broadcast_dimensions"]
+            return [jax.lax.broadcast_in_dim(invals[0], part, dims)]
+    if body is not None:
+        return evaluate(body.jaxpr, body.consts, *invals)
+    if eqn.primitive.name == "custom_jvp_call":
+        with equation_context(eqn):
+            return _bind_custom_jvp(eqn, match_varying(invals), evaluate)
+    return bind_equation(eqn, invals)
 
 
 def _closed_fn(closed: Any, *leading: Any) -> Callable[..., list[Any]]:

@@ -607,8 +607,13 @@ def _plan_regions(
     whose finer pieces no later region reads after all is planned again without them,
     so that its parts stay one op each."""
     later = _later_bounds(jaxpr)
+    uses = _Uses(jaxpr)
+    producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    results = {
+        jaxpr.eqns[p.emit_at].outvars[0]: anchor for anchor, p in plans.items() if not p.grouped
+    }
     while True:
-        regions = _regions_with(jaxpr, kinds, plans, hidden_sizes, later)
+        regions = _regions_with(jaxpr, kinds, plans, hidden_sizes, later, uses, producers, results)
         read = {v for r in regions for v in r.values}
         unread = [
             r.root
@@ -631,13 +636,13 @@ def _regions_with(
     plans: Mapping[int, _Fused],
     hidden_sizes: frozenset[int],
     later: Mapping[Var, set[int]],
+    uses: _Uses,
+    producers: Mapping[Var, int],
+    results: Mapping[Var, int],
 ) -> list[_Region]:
-    """`_plan_regions` with the bounds that later cuts ask of each value, `later`."""
-    uses = _Uses(jaxpr)
-    producers = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-    results = {
-        jaxpr.eqns[p.emit_at].outvars[0]: anchor for anchor, p in plans.items() if not p.grouped
-    }
+    """`_plan_regions` with the bounds that later cuts ask of each value, `later`; the
+    jaxpr's consumers, producers and recognised ops' results (`_grow`), the same in
+    every round."""
     regions: list[_Region] = []
     roots: set[Var] = set()
     claimed: set[Var] = set()  # anchors of earlier regions
