@@ -259,3 +259,44 @@ def test_stacked_layers_do_not_evaluate_the_step_twice(layers: int) -> None:
     step = flops(lambda st, x: _step_grads(graph, st, x, target, loss))
     forward = flops(lambda st, x: forward_pure(graph, st, (x,)))
     assert step / forward < 2.4, step / forward
+
+
+def test_cuts_of_joins_read_the_piece_they_lie_in() -> None:
+    """`fold_cuts_of_joins`: a part cut out of a ``concatenate`` or ``tile`` along its
+    joining axis is read from the piece it lies in, through nested joins as deep as it
+    stays in one piece, and as that piece itself when it is whole; a part spanning two
+    pieces, a strided slice and a cut along another axis keep their equation; the
+    values are unchanged; and a jaxpr with nothing to fold is returned as it is."""
+    from etrax._compat import eval_jaxpr
+    from etrax.compiler._jaxpr import drop_dead_equations, fold_cuts_of_joins
+
+    def f(a: Array, b: Array) -> tuple[Array, ...]:
+        inner = jnp.concatenate([b, a], axis=-1)
+        joined = jnp.concatenate([a, inner], axis=-1)  # a | b | a: 4 | 3 | 4
+        tiled = jnp.tile(b, (1, 2))  # b | b
+        whole, part, in_inner = jnp.split(joined, [4, 6], axis=-1)
+        across = joined[:, 2:6]  # the end of a and the start of b
+        return (whole, part, in_inner, across, tiled[:, 3:6], tiled[:, 2:4], joined[:, ::2],
+                joined[:1])  # fmt: skip
+
+    a, b = jnp.arange(8.0).reshape(2, 4), -jnp.arange(6.0).reshape(2, 3)
+    closed = jax.make_jaxpr(f)(a, b)
+    folded = drop_dead_equations(fold_cuts_of_joins(closed))
+    expected = eval_jaxpr(closed.jaxpr, closed.consts, a, b)
+    got = eval_jaxpr(folded.jaxpr, folded.consts, a, b)
+    for x, y in zip(got, expected, strict=True):
+        assert x.shape == y.shape and bool(jnp.all(x == y))
+    a_var, b_var = folded.jaxpr.invars
+    producers = {v: e for e in folded.jaxpr.eqns for v in e.outvars}
+    (inner_join, outer_join) = [
+        e.outvars[0] for e in folded.jaxpr.eqns if e.primitive.name == "concatenate"
+    ]
+    (tile,) = [e.outvars[0] for e in folded.jaxpr.eqns if e.primitive.name == "tile"]
+    whole, part, in_inner, across, repeat, straddle, strided, rows = folded.jaxpr.outvars
+    assert whole is a_var and repeat is b_var
+    for out, source in ((part, b_var), (in_inner, inner_join), (across, outer_join),
+                        (straddle, tile), (strided, outer_join), (rows, outer_join)):  # fmt: skip
+        assert producers[out].primitive.name == "slice" and producers[out].invars == [source]
+    assert "split" not in [e.primitive.name for e in folded.jaxpr.eqns]
+    plain = jax.make_jaxpr(lambda a: jnp.split(jnp.tanh(a), 2, axis=-1))(a)
+    assert fold_cuts_of_joins(plain) is plain

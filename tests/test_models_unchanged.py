@@ -970,7 +970,8 @@ def _wholly_traced_like_gate_by_gate(
     model: brainstate.nn.Module, split: brainstate.nn.Module, parts: int
 ) -> list[CompilationRecord]:
     """`model` (3 inputs, 4 outputs) has every weight traced, no position-mixing tail
-    and every product cut in `parts`, and learns like `split` (`_learns_like_gate_by_gate`);
+    or transition, and every product cut in `parts`, and learns like `split`
+    (`_learns_like_gate_by_gate`);
     returns the products' records."""
     brainstate.nn.init_all_states(model)
     brainstate.nn.init_all_states(split)
@@ -978,6 +979,7 @@ def _wholly_traced_like_gate_by_gate(
     for path, status in graph.weight_rules().items():
         assert status.rule is etrax.WeightRule.TRACED, (path, status)
     assert not graph.explain(kind=K.TAIL_MIXES_POSITIONS)
+    assert not graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
     assert not graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
     products = [
         r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.primitive == "dot_general"
@@ -1207,6 +1209,82 @@ def test_a_custom_jvp_call_that_cannot_be_cut_is_read_whole(act: str) -> None:
         assert "wider than the group's last axis" in r.message, r.message
     with pytest.raises(etrax.CompilationError, match="no relations"):
         _online(graph, etrax.DRTRL(), *_sequence((3,), (4,), 1))
+
+
+class JoinedStateGates(brainstate.nn.Module):
+    """A GRU with one recurrent weight per unit and gate (as in IndRNN):
+    ``z, r, c = split(x @ W + join(h) * u + b, 3)`` and
+    ``h ← z h + (1 − z) tanh(c + r h)``, where ``join(h)`` is the state three times
+    along its features (``jnp.concatenate([h] * 3)`` or ``jnp.tile``); ``"split"``
+    is the same model gate by gate, and ``"rotated"`` the negative control, whose
+    ``join`` is ``concatenate([h] * 4)[..., 1 : 3n + 1]``: the state rotated by one
+    unit, three times, so that each unit's gates read its neighbour."""
+
+    def __init__(self, join: str, n_in: int, n: int) -> None:
+        super().__init__()
+        self.join, self.n = join, n
+        self.w = _param(91, (n_in, 3 * n))
+        self.u = _param(92, (3 * n,), scale=0.8)
+        self.b = _param(93, (3 * n,), scale=0.1)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (self.n,) if batch_size is None else (batch_size, self.n)
+        self.h = brainstate.HiddenState(jnp.zeros(shape))
+
+    def _joined(self, h: Array) -> Array:
+        n = self.n
+        if self.join == "concatenate":
+            return jnp.concatenate([h] * 3, axis=-1)
+        if self.join == "tile":
+            return jnp.tile(h, (1,) * (h.ndim - 1) + (3,))
+        return jnp.concatenate([h] * 4, axis=-1)[..., 1 : 3 * n + 1]  # "rotated"
+
+    def update(self, x: ArrayLike) -> Array:
+        x, h, n = jnp.asarray(x), self.h.value, self.n
+        w, u, b = self.w.value, self.u.value, self.b.value
+        if self.join == "split":
+            z, r, c = (x @ w[:, k * n : (k + 1) * n] + h * u[k * n : (k + 1) * n]
+                       + b[k * n : (k + 1) * n] for k in range(3))  # fmt: skip
+        else:
+            z, r, c = jnp.split(x @ w + self._joined(h) * u + b, 3, axis=-1)
+        z, r = jax.nn.sigmoid(z), jax.nn.sigmoid(r)
+        self.h.value = z * h + (1 - z) * jnp.tanh(c + r * h)
+        return self.h.value
+
+
+@pytest.mark.parametrize("join", ["concatenate", "tile"])
+def test_gates_on_a_state_joined_to_itself_keep_positions_apart(join: str) -> None:
+    """Each gate's part of ``join(h) * u`` reads ``h`` itself (the part of the join it
+    lies in), so the transition keeps positions apart: no ``transition_mixes_positions``
+    warning, every weight traced, each product cut in 3, every rule equal to BPTT at
+    T = 1 (also with a batch), and D-RTRL learning exactly as the gate-by-gate model.
+    Before, each part read a slice of the 3n-wide join, which the position analysis
+    took for a mix of positions: the warning ("gradients approximate") and ``D``
+    formed from the whole Jacobian at every step."""
+    _wholly_traced_like_gate_by_gate(
+        JoinedStateGates(join, 3, 4), JoinedStateGates("split", 3, 4), 3
+    )
+    model = JoinedStateGates(join, 3, 4)
+    brainstate.nn.init_all_states(model, batch_size=2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros((2, 3)))
+    assert not graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
+    xs, ys = _sequence((2, 3), (2, 4), 1, seed=4)
+    exact = bptt_grads(model, etrax.state_of(graph), xs, ys, sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs, ys)), exact)
+
+
+def test_a_part_across_the_pieces_of_a_join_still_mixes_positions() -> None:
+    """The negative control: gates on the state rotated by one unit (each part of the
+    join spans two of its pieces) read a neighbour's value, and the transition is still
+    reported as mixing positions, with ``D`` from the whole Jacobian; every rule is
+    exact at T = 1, as for any accepted model."""
+    model = JoinedStateGates("rotated", 3, 4)
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(3))
+    (mixing,) = graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
+    assert "concatenate joins along a position axis" in mixing.message, mixing.message
+    _every_rule_is_exact_at_one_step(model, graph)
 
 
 def test_values_left_unused_do_not_change_what_is_traced() -> None:

@@ -5,7 +5,8 @@ Artifacts never hold `Var` objects as keys: a variable is named by its `VarId`, 
 position in the order constvars, invars, equation outputs of the step's jaxpr.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, final
 
 import jax
@@ -18,9 +19,11 @@ from .._compat import (
     Literal,
     Var,
     array_key,
+    aval_of,
     bind_equation,
     call_body,
     derivative_rules_key,
+    equation_context,
     eval_jaxpr,
     replace_jaxpr,
     struct_of,
@@ -32,6 +35,7 @@ __all__ = [
     "VarTable",
     "drop_dead_equations",
     "eval_equations",
+    "fold_cuts_of_joins",
     "inline_calls",
     "slice_program",
 ]
@@ -241,6 +245,121 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
         return _eval_inlining(jaxpr, consts, args)
 
     return jax.make_jaxpr(flat)(*avals)
+
+
+_Range = tuple[int, int]
+_Piece = tuple[Any, int, int]
+"""An atom and the range ``[lo, hi)`` of it along the cut axis."""
+
+
+def _cut_ranges(eqn: JaxprEqn) -> tuple[int, list[_Range]] | None:
+    """The axis a ``split``, or a ``slice`` that cuts one axis with stride 1, cuts
+    along, and the range each of its outputs takes; `None` for any other equation."""
+    name = eqn.primitive.name
+    if name == "split":
+        bounds = list(itertools.accumulate((int(n) for n in eqn.params["sizes"]), initial=0))
+        return int(eqn.params["axis"]), list(itertools.pairwise(bounds))
+    if name != "slice":
+        return None
+    shape = tuple(aval_of(eqn.invars[0]).shape)
+    starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
+    if any(s != 1 for s in eqn.params["strides"] or ()):
+        return None
+    cut = [d for d, n in enumerate(shape) if (starts[d], limits[d]) != (0, n)]
+    if len(cut) != 1:
+        return None
+    (axis,) = cut
+    return axis, [(int(starts[axis]), int(limits[axis]))]
+
+
+def _joined_from(eqn: JaxprEqn, axis: int, lo: int, hi: int) -> _Piece | None:
+    """The operand of a ``concatenate`` or ``tile`` along `axis` that ``[lo, hi)`` of its
+    output lies in, with the range in that operand; `None` when the range spans two."""
+    name = eqn.primitive.name
+    if name == "concatenate" and eqn.params["dimension"] == axis:
+        start = 0
+        for atom in eqn.invars:
+            width = int(aval_of(atom).shape[axis])
+            if start <= lo and hi <= start + width:
+                return atom, lo - start, hi - start
+            start += width
+        return None
+    if name == "tile":
+        (atom,) = eqn.invars
+        reps = tuple(eqn.params["reps"])
+        shape = tuple(aval_of(atom).shape)
+        if len(reps) != len(shape) or any(r != 1 for d, r in enumerate(reps) if d != axis):
+            return None
+        width = int(shape[axis])
+        first = width * (lo // width) if width else 0
+        if width and hi - first <= width:
+            return atom, lo - first, hi - first
+    return None
+
+
+def _innermost_piece(
+    producers: Mapping[Var, JaxprEqn], atom: Any, axis: int, lo: int, hi: int
+) -> _Piece | None:
+    """Where ``[lo, hi)`` of `atom` along `axis` comes from, following joins (a
+    ``concatenate`` of a ``concatenate``) as deep as the range stays in one operand;
+    `None` when `atom` is not such a join."""
+    found: _Piece | None = None
+    while lo < hi and isinstance(atom, Var) and atom in producers:
+        piece = _joined_from(producers[atom], axis, lo, hi)
+        if piece is None:
+            break
+        found = piece
+        atom, lo, hi = piece
+    return found
+
+
+def fold_cuts_of_joins(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with every part that a ``slice`` or ``split`` cuts out of a joined
+    value read from the operand it lies in: ``concatenate([h, h])[..., n:]`` and
+    ``tile(h, 2)[..., n:]`` are ``h``, and ``concatenate([a, b])[..., :k]`` is
+    ``a[..., :k]``. Fused gates on a tiled state (``split(concatenate([h] * 3) * u,
+    3)``, cut part by part by `normalise`) then read `h` element-wise, and the
+    position analysis sees a diagonal transition instead of a join of positions.
+    The joins left unread are for `drop_dead_equations`. Invariant: invars,
+    outvars and values are kept; `closed` itself when nothing folds."""
+    jaxpr = closed.jaxpr
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars if not isinstance(v, DropVar)}
+    folds: dict[int, tuple[int, list[_Piece | None]]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        cut = _cut_ranges(eqn)
+        if cut is None:
+            continue
+        axis, ranges = cut
+        pieces = [_innermost_piece(producers, eqn.invars[0], axis, lo, hi) for lo, hi in ranges]
+        if any(p is not None for p in pieces):
+            folds[i] = axis, pieces
+    if not folds:
+        return closed
+    consts = closed.consts
+
+    def folded(*args: Any) -> list[Any]:
+        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for i, eqn in enumerate(jaxpr.eqns):
+            axis, pieces = folds.get(i, (0, []))
+            if pieces and all(p is not None for p in pieces):
+                outs: list[Any] = [None] * len(pieces)  # the cut itself is not needed
+            else:
+                outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
+            for k, piece in enumerate(pieces):
+                if piece is not None:
+                    atom, lo, hi = piece
+                    value = _read(env, atom)
+                    if (lo, hi) != (0, jax.numpy.shape(value)[axis]):
+                        with equation_context(eqn):
+                            value = jax.lax.slice_in_dim(value, lo, hi, axis=axis)
+                    outs[k] = value
+            for v, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, DropVar):
+                    env[v] = val
+        return [_read(env, a) for a in jaxpr.outvars]
+
+    return jax.make_jaxpr(folded)(*(struct_of(v) for v in jaxpr.invars))
 
 
 def slice_program(

@@ -74,7 +74,7 @@ from .._compat import (
 from .._errors import NotSupportedError, RewriteLimitError
 from .._typing import Path
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
-from ._jaxpr import drop_dead_equations, inline_calls
+from ._jaxpr import drop_dead_equations, fold_cuts_of_joins, inline_calls
 
 __all__ = ["CompilePolicy", "normalise", "note_dead_reads"]
 
@@ -1449,7 +1449,9 @@ def normalise(
     if-converted, the nested calls of their bodies inlined, what nothing reads
     dropped), then weight ops are recognised on the flat jaxpr, so that an op and
     what it feeds are seen together wherever they were written (a product computed
-    once before a loop of sub-steps and cut into gates inside it, say).
+    once before a loop of sub-steps and cut into gates inside it, say). Last, every
+    part cut out of a join along its joining axis is read from the piece it lies in
+    (`fold_cuts_of_joins`), also the parts the second pass cut.
 
     **Arguments:**
 
@@ -1474,6 +1476,9 @@ def normalise(
     if policy.recognise_weight_ops and _has_weight_ops(closed.jaxpr, weight_inputs):
         closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, False))
         closed = live(closed)  # a value cut in pieces that no one reads whole
+    folded = fold_cuts_of_joins(closed)  # also the parts the pass above cut from a join
+    if folded is not closed:
+        closed = live(folded)  # the joins that only the cuts read
     return closed, records
 
 
