@@ -564,7 +564,10 @@ class FusedGates(Layer):
     again after a first cut. The one-step GRUs spelled with ``jnp.einsum`` (variant 2)
     or ``jnp.dot`` (variant 4) whose cut value is not used whole take a ``custom_jvp``
     activation before the cut, ``split(relu(x @ Wx + b), 3)`` or with `jax.nn.softplus`
-    (decided from the draws above, so the other layers are as they were).
+    (decided from the draws above, so the other layers are as they were). The one-step
+    GRUs spelled with ``@`` (variant 0) add ``concatenate([h] * 3) * Wh[0]`` to
+    ``h @ Wh`` before its cut: gates on the state joined to itself, with a row of
+    ``Wh`` as one recurrent weight per unit and gate.
     """
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
@@ -586,6 +589,7 @@ class FusedGates(Layer):
         self.sub_steps = int(rng.integers(1, 3)) if self.summed else 1
         self.nested = bool(rng.integers(2)) if self.lstm and not self.summed else False
         self.activated = not (self.lstm or self.summed or self.whole) and self.spelling > 0
+        self.joined = not (self.lstm or self.summed) and self.spelling == 0
 
     def _whole(self, fused: Array) -> Array | float:
         """What the value cut adds to the new ``h`` when it is also used whole."""
@@ -654,7 +658,10 @@ class FusedGates(Layer):
             if self.activated:  # a custom_jvp call before the cut
                 fused = (jax.nn.relu if self.spelling == 1 else jax.nn.softplus)(fused)
             xr, xz, xn = jnp.split(fused, 3, axis=-1)
-            hr, hz, hn = jnp.split(h @ self.wh.value, 3, axis=-1)
+            recurrent = h @ self.wh.value
+            if self.joined:  # gates on the state joined to itself
+                recurrent = recurrent + jnp.concatenate([h] * 3, axis=-1) * self.wh.value[0]
+            hr, hz, hn = jnp.split(recurrent, 3, axis=-1)
             r = jax.nn.sigmoid(xr + hr)
             z = jax.nn.sigmoid(xz + hz)
             new = (1.0 - z) * jnp.tanh(xn + r * hn) + z * h + self._whole(fused)
