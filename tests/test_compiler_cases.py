@@ -525,6 +525,104 @@ def test_per_head_weights_are_recognised_as_grouped_matmul(form: str, batch: int
             np.testing.assert_allclose(g, want[path], rtol=1e-10, atol=1e-12)
 
 
+class SharedInputHeads(PerHead):
+    """`PerHead` with one input for every head: ``einsum('...i,gio->...go', x, W)``
+    (``"shared"``), the same with the weight first (``"shared_weight_first"``), or with
+    the input broadcast to the heads by hand (``"broadcast"``, a `PerHead` product)."""
+
+    def update(self, x: Any) -> Any:
+        w = self.W.value
+        if self.form == "shared":
+            a = jnp.einsum("...i,gio->...go", x, w)
+        elif self.form == "shared_weight_first":
+            a = jnp.einsum("gio,...i->...go", w, x)
+        else:
+            xb = jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], 3, x.shape[-1]))
+            a = jnp.einsum("...gi,gio->...go", xb, w)
+        a = a + jnp.einsum("...gi,gio->...go", self.h.value, self.U.value)
+        self.h.value = 0.5 * self.h.value + jnp.tanh(a)
+        return self.h.value
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+@pytest.mark.parametrize("form", ["shared", "shared_weight_first"])
+def test_an_input_product_onto_heads_is_a_grouped_matmul(form: str, batch: int | None) -> None:
+    """``einsum('...i,gio->...go', x, W)``, one input mapped onto every head of a
+    ``(heads, features)`` state, becomes `etrax.grouped_matmul` with the input read
+    by every head, whose output lines up with the state: both weights are traced,
+    every rule equals BPTT at T = 1, and over a sequence D-RTRL learns exactly as
+    with the input broadcast to the heads by hand. Before, ``W`` was a plain use
+    (two free weight axes), learned from its instantaneous gradient only."""
+    model, by_hand = SharedInputHeads(form), SharedInputHeads("broadcast")
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    brainstate.nn.init_all_states(by_hand, batch_size=batch)
+    shape = (2,) if batch is None else (batch, 2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
+    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
+        ("W",): etrax.WeightRule.TRACED,
+        ("U",): etrax.WeightRule.TRACED,
+    }
+    (note,) = [r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.weight_path == ("W",)]
+    assert "grouped_matmul (the data read by every head)" in note.message, note.message
+    state = etrax.state_of(graph)
+    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
+    state = state.replace_hidden({("h",): h})
+    xs = jax.random.normal(jax.random.PRNGKey(3), (6, *shape))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (6, *h.shape))
+    want = bptt_grads(model, state, xs[:1], ts[:1], _squared)
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for rule in rules:
+        first = (xs[:1], ts[:1])
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), *first, _squared)
+        for path in want:
+            np.testing.assert_allclose(
+                np.asarray(got.grads[path]), want[path], rtol=1e-10, atol=1e-12
+            )
+    reference = etrax.compile_etrace_graph(by_hand, jnp.zeros(shape))
+    rule = etrax.DRTRL()
+    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+    ref = etrax.online_grad(reference, rule, state, rule.init(reference, state), xs, ts, _squared)
+    for path in want:
+        np.testing.assert_allclose(
+            np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
+        )
+
+
+class MergedHeads(PerHead):
+    """`SharedInputHeads`'s ``"shared"`` model with its state kept flat, ``(12,)``:
+    each product's ``(3, 4)`` heads are merged into the state's one axis."""
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((12,)))
+
+    def update(self, x: Any) -> Any:
+        h = self.h.value
+        a = jnp.einsum("i,gio->go", x, self.W.value)
+        a = a + jnp.einsum("gi,gio->go", h.reshape(3, 4), self.U.value)
+        self.h.value = 0.5 * h + jnp.tanh(a.reshape(12))
+        return self.h.value
+
+
+def test_products_whose_heads_are_merged_into_the_state_say_how_to_trace_them() -> None:
+    """The negative control: with the state flat, the products' ``(3, 4)`` outputs do
+    not line up with its ``(12,)`` positions. Neither weight is traced, so the online
+    rules refuse the model with etrax's error, and the records say to keep the state
+    in the products' shape."""
+    model = MergedHeads("shared")
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(2))
+    for path in (("W",), ("U",)):
+        assert graph.weight_rules()[path].reason is K.RELATION_EXCLUDED_SHAPE_MISMATCH
+    records = graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
+    assert len(records) == 2
+    for r in records:
+        assert "in another shape" in r.message and "as (3, 4) with heads" in r.message, r.message
+    state, rule = etrax.state_of(graph), etrax.DRTRL()
+    xs, ts = jnp.ones((1, 2)), jnp.ones((1, 12))
+    with pytest.raises(etrax.CompilationError, match="no relations"):
+        etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+
+
 def _squared(y: Array, t: Array) -> Array:
     return jnp.sum((y - t) ** 2)
 

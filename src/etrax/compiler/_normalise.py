@@ -458,7 +458,7 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
             continue
         slot = k.index(_Kind.WEIGHT)
         if name == "dot_general" and not _dense_dims(eqn, slot):
-            if _grouped_dims(eqn, slot):  # per-group weights: no bias or cuts folded in
+            if _grouped_dims(eqn, slot) or _headed_dims(eqn, slot):  # no bias or cuts folded in
                 plans[i] = _Fused(anchor=i, weight_slot=slot, grouped=True)
             continue
         if name == "conv_general_dilated" and (slot != 1 or not _conv_dims(eqn)):
@@ -1162,9 +1162,12 @@ class _Rewriter:
         shared = eqn.primitive.name == "dot_general" and (
             len(_free_axes(eqn, plan.weight_slot).x_free) > 1
         )
+        headed = plan.grouped and not eqn.params["dimension_numbers"][1][0]
         op = (
             "etrax.lora_matmul (the product of two weights in a row, (x @ A) @ B)"
             if plan.inner is not None
+            else "etrax.grouped_matmul (the data read by every head)"
+            if headed
             else "etrax.grouped_matmul"
             if plan.grouped
             else "etrax.conv (width 1: the weight shared along the data's leading axes)"
@@ -1385,13 +1388,38 @@ def _grouped_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
     return ndim[weight_slot] == 3 and ndim[1 - weight_slot] in (2, 3)
 
 
+def _headed_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
+    """Whether a dot_general maps data onto several heads at once, ``einsum('...i,ihd->
+    ...hd', x, W)``: no batch dimensions, a weight of one contracted and two free axes
+    (heads, features), and data ``(in,)`` or ``(batch, in)``: `etrax.grouped_matmul`
+    with the data read by every head (`_grouped_op`), whose output ``([batch,] heads,
+    features)`` lines up with a hidden state of that shape."""
+    (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+    if lb or len(lc) != 1:
+        return False
+    axes = _free_axes(eqn, weight_slot)
+    x_ndim = len(aval_of(eqn.invars[1 - weight_slot]).shape)
+    if len(axes.w_free) != 2 or len(axes.w_contract) != 1 or axes.x_contract != (x_ndim - 1,):
+        return False
+    return x_ndim in (1, 2)
+
+
 def _grouped_op(eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any) -> Any:
     """The dot_general of `_grouped_dims` as `etrax.grouped_matmul`: the operands moved
     to ``([B,] G, I)`` and ``(G, I, O)``, the result back to the dot_general's layout
-    (batch, then the first operand's free axes, then the second's)."""
+    (batch, then the first operand's free axes, then the second's). One of
+    `_headed_dims` reads the data ``([B,] I)`` in every group (broadcast to
+    ``([B,] G, I)``)."""
     from ..ops import grouped_matmul
 
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if not lb:  # `_headed_dims`
+        (wc,) = rc if slot == 1 else lc
+        heads, features = [d for d in range(3) if d != wc]
+        w3 = jnp.transpose(w, (heads, wc, features))
+        x3 = jnp.broadcast_to(x[..., None, :], (*jnp.shape(x)[:-1], w3.shape[0], w3.shape[1]))
+        y = grouped_matmul(x3, w3, bias)  # ([B,] G, O)
+        return jnp.transpose(y, (1, 2, 0)) if slot == 0 and jnp.ndim(x) == 2 else y
     (xb, wb) = (lb[0], rb[0]) if slot == 1 else (rb[0], lb[0])
     (xc, wc) = (lc[0], rc[0]) if slot == 1 else (rc[0], lc[0])
     (wf,) = [d for d in range(3) if d not in (wb, wc)]

@@ -13,6 +13,7 @@ says why not.
 
 import enum
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -477,8 +478,16 @@ def _tail(
             and op.y_shape[:-1] == tuple(V[:-1])
             and op.y_shape[-1] > V[-1]
         )
+        reshaped = math.prod(op.y_shape) == math.prod(V) and len(op.y_shape) != len(V)
         hint = (
-            " y fills only part of the group's last axis, as when the states of two "
+            " y holds as many positions as the group, in another shape, as when a "
+            "product's output is reshaped into heads or its heads merged into one axis: "
+            "keep the hidden state in the shape of the products that reach it, as "
+            f"{op.y_shape} with heads, and write every product per head (an input onto "
+            "every head is einsum('...i,gio->...go', x, W), a recurrent one "
+            "einsum('...gi,gio->...go', h, U)) to trace it."
+            if reshaped
+            else " y fills only part of the group's last axis, as when the states of two "
             "populations are concatenated into one: keep each part in a HiddenState of its "
             "own to trace it."
             if part
