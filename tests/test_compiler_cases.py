@@ -589,26 +589,82 @@ def test_an_input_product_onto_heads_is_a_grouped_matmul(form: str, batch: int |
 
 
 class MergedHeads(PerHead):
-    """`SharedInputHeads`'s ``"shared"`` model with its state kept flat, ``(12,)``:
-    each product's ``(3, 4)`` heads are merged into the state's one axis."""
+    """`SharedInputHeads`'s ``"shared"`` model with its state kept flat, ``(12,)`` or
+    ``(batch, 12)``: each product's heads merged into the state's one axis right after
+    it (``"each"``), or their sum's (``"sum"``)."""
 
     def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
-        self.h = brainstate.HiddenState(jnp.zeros((12,)))
+        self.h = brainstate.HiddenState(
+            jnp.zeros((12,) if batch_size is None else (batch_size, 12))
+        )
 
     def update(self, x: Any) -> Any:
         h = self.h.value
-        a = jnp.einsum("i,gio->go", x, self.W.value)
-        a = a + jnp.einsum("gi,gio->go", h.reshape(3, 4), self.U.value)
-        self.h.value = 0.5 * h + jnp.tanh(a.reshape(12))
+        lead = h.shape[:-1]
+        a = jnp.einsum("...i,gio->...go", x, self.W.value)
+        b = jnp.einsum("...gi,gio->...go", h.reshape(*lead, 3, 4), self.U.value)
+        if self.form == "each":
+            a = a.reshape(*lead, 12) + b.reshape(*lead, 12)
+        else:
+            a = (a + b).reshape(*lead, 12)
+        self.h.value = 0.5 * h + jnp.tanh(a)
         return self.h.value
 
 
-def test_products_whose_heads_are_merged_into_the_state_say_how_to_trace_them() -> None:
-    """The negative control: with the state flat, the products' ``(3, 4)`` outputs do
-    not line up with its ``(12,)`` positions. Neither weight is traced, so the online
-    rules refuse the model with etrax's error, and the records say to keep the state
-    in the products' shape."""
-    model = MergedHeads("shared")
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+def test_per_head_products_whose_heads_are_merged_into_a_flat_state_are_traced(
+    batch: int | None,
+) -> None:
+    """Each product's ``(3, 4)`` heads merged right after it (``reshape``, after the
+    transpose that lays out a batched one) into a flat ``(12,)`` state: the product and
+    the merge are one `etrax.grouped_matmul(..., merge_groups=True)`, whose output lines
+    up with the state. Both weights are traced, every rule equals BPTT at T = 1, and over
+    a sequence each rule learns exactly as on the ``(3, 4)`` state. Before, the
+    products' outputs did not line up with the state and neither weight was traced."""
+    model, heads = MergedHeads("each"), SharedInputHeads("shared")
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    brainstate.nn.init_all_states(heads, batch_size=batch)
+    shape = (2,) if batch is None else (batch, 2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
+    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
+        ("W",): etrax.WeightRule.TRACED,
+        ("U",): etrax.WeightRule.TRACED,
+    }
+    for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED):
+        assert "heads merged into one axis by the reshape that follows" in r.message, r.message
+    state = etrax.state_of(graph)
+    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
+    state = state.replace_hidden({("h",): h})
+    xs = jax.random.normal(jax.random.PRNGKey(3), (5, *shape))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (5, *h.shape))
+    want = bptt_grads(model, state, xs[:1], ts[:1], _squared)
+    reference = etrax.compile_etrace_graph(heads, jnp.zeros(shape))
+    ref_state = etrax.state_of(reference).replace_hidden({("h",): h.reshape(*h.shape[:-1], 3, 4)})
+    ref_ts = ts.reshape(*ts.shape[:-1], 3, 4)
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for rule in rules:
+        one = etrax.online_grad(
+            graph, rule, state, rule.init(graph, state), xs[:1], ts[:1], _squared
+        )
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+        ref = etrax.online_grad(
+            reference, rule, ref_state, rule.init(reference, ref_state), xs, ref_ts, _squared
+        )
+        for path in want:
+            np.testing.assert_allclose(
+                np.asarray(one.grads[path]), want[path], rtol=1e-10, atol=1e-12
+            )
+            np.testing.assert_allclose(
+                np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
+            )
+
+
+def test_products_whose_heads_are_merged_after_their_sum_say_how_to_trace_them() -> None:
+    """The negative control: the heads merged only after the products meet (``(a +
+    b).reshape``), so neither product's ``(3, 4)`` output lines up with the ``(12,)``
+    state. Neither weight is traced, the online rules refuse the model with etrax's
+    error, and the records say how to get the products traced."""
+    model = MergedHeads("sum")
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.zeros(2))
     for path in (("W",), ("U",)):
@@ -616,7 +672,7 @@ def test_products_whose_heads_are_merged_into_the_state_say_how_to_trace_them() 
     records = graph.explain(kind=K.RELATION_EXCLUDED_SHAPE_MISMATCH)
     assert len(records) == 2
     for r in records:
-        assert "in another shape" in r.message and "as (3, 4) with heads" in r.message, r.message
+        assert "in another shape" in r.message and "((3, 4) with heads)" in r.message, r.message
     state, rule = etrax.state_of(graph), etrax.DRTRL()
     xs, ts = jnp.ones((1, 2)), jnp.ones((1, 12))
     with pytest.raises(etrax.CompilationError, match="no relations"):

@@ -49,6 +49,10 @@ def _grouped(x: Array, weight: Array, bias: Array) -> Array:
     return etrax.grouped_matmul(x, weight, bias, weight_fn=jnp.tanh)
 
 
+def _grouped_merged(x: Array, weight: Array, bias: Array) -> Array:
+    return etrax.grouped_matmul(x, weight, bias, weight_fn=jnp.tanh, merge_groups=True)
+
+
 def _embedding(x: Array, weight: Array) -> Array:
     return etrax.embedding(x, weight)
 
@@ -89,6 +93,13 @@ OPS = (
         lambda k: _rand(k, (2, 3, 2)),
         {"weight": (3, 2, 4), "bias": (3, 4)},
         (2, 3, 4),
+    ),
+    OpCase(
+        "grouped_merged",
+        _grouped_merged,
+        lambda k: _rand(k, (2, 3, 2)),
+        {"weight": (3, 2, 4), "bias": (3, 4)},
+        (2, 12),
     ),
     OpCase(
         "embedding",
@@ -224,11 +235,12 @@ def test_trace_sizes_follow_each_ops_complexity() -> None:
         sizes[case.name] = {k: v for k, v in slot.trace_shapes.items()}
     assert sizes["sparse"]["weight"] == (2, PATTERN.nnz)  # nnz per sample
     assert sizes["grouped"]["weight"] == (2, 3, 2, 4)  # G·K·N per sample, not (G·K)·(G·N)
+    assert sizes["grouped_merged"] == sizes["grouped"]  # the same with its groups merged
     assert sizes["embedding"]["weight"] == (3, 6, 4)  # vocabulary × dim per sample
     assert sizes["lora"]["weight"] == (2, 5, 4)  # the effective in × out weight
     assert sizes["conv1d"]["weight"] == (2, 6, 9, 4)  # per output position: patch × out
     assert sizes["einsum"]["weight"] == (2, 3, 4, 5)  # per (batch, position)
-    graph, state = _leaky(OPS[5])
+    graph, state = _leaky(next(case for case in OPS if case.name == "sparse"))
     traces = etrax.DRTRL().init(graph, state)
     (eps,) = traces.eps
     assert eps["weight"].shape == (2, PATTERN.nnz, 1)  # nnz × S per batch element

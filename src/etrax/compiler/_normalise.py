@@ -248,14 +248,18 @@ class _Fused:
     cuts: list[int] = field(default_factory=list)  # split / slice eqns that take parts
     grouped: bool = False  # a per-group weight (one batch dimension): grouped_matmul
     inner: int | None = None  # ``(x @ A) @ B``: the product ``x @ A`` it starts from
+    merge: tuple[int, ...] = ()  # a grouped op's transpose / reshape merging its heads
 
     @property
     def emit_at(self) -> int:
+        if self.merge:
+            return self.merge[-1]
         return self.bias_eqn if self.bias_eqn is not None else self.anchor
 
     @property
     def absorbed(self) -> set[int]:
         eqns = {self.anchor} if self.bias_eqn is None else {self.anchor, self.bias_eqn}
+        eqns |= set(self.merge)
         return eqns if self.inner is None else eqns | {self.inner}
 
 
@@ -459,7 +463,8 @@ def _plan(jaxpr: Jaxpr, kinds: Mapping[Var, _Kind]) -> dict[int, _Fused]:
         slot = k.index(_Kind.WEIGHT)
         if name == "dot_general" and not _dense_dims(eqn, slot):
             if _grouped_dims(eqn, slot) or _headed_dims(eqn, slot):  # no bias or cuts folded in
-                plans[i] = _Fused(anchor=i, weight_slot=slot, grouped=True)
+                merge = _merged_heads(jaxpr, uses, eqn, slot)
+                plans[i] = _Fused(anchor=i, weight_slot=slot, grouped=True, merge=merge)
             continue
         if name == "conv_general_dilated" and (slot != 1 or not _conv_dims(eqn)):
             continue
@@ -996,14 +1001,16 @@ class _Rewriter:
         bias: Any,
         part: tuple[int, int] | None,
         grouped: bool = False,
+        merge: bool = False,
     ) -> Any:
-        """The ETP op equivalent to the anchor equation (on one feature range)."""
+        """The ETP op equivalent to the anchor equation (on one feature range); with
+        `merge`, to the anchor and the equations that merge its heads."""
         from ..ops import conv, lora_matmul, matmul
         from ..ops._conv import shared_product
 
         with equation_context(eqn):
             if grouped:
-                y = _grouped_op(eqn, slot, x, w, bias)
+                y = _grouped_op(eqn, slot, x, w, bias, merge)
                 dtype = aval_of(eqn.outvars[0]).dtype
                 return y if y.dtype == dtype else y.astype(dtype)
             if isinstance(w, _LowRank):  # `_matrix_product`s: x (in,) or (batch, in)
@@ -1050,7 +1057,7 @@ class _Rewriter:
     ) -> Any:
         eqn, x, w, bias = self._operands(jaxpr, plan, read)
         self._note_recognised(jaxpr, plan, sources)
-        return self._op(eqn, plan.weight_slot, x, w, bias, None, plan.grouped)
+        return self._op(eqn, plan.weight_slot, x, w, bias, None, plan.grouped, bool(plan.merge))
 
     def _pieces(
         self,
@@ -1166,8 +1173,6 @@ class _Rewriter:
         op = (
             "etrax.lora_matmul (the product of two weights in a row, (x @ A) @ B)"
             if plan.inner is not None
-            else "etrax.grouped_matmul (the data read by every head)"
-            if headed
             else "etrax.grouped_matmul"
             if plan.grouped
             else "etrax.conv (width 1: the weight shared along the data's leading axes)"
@@ -1176,9 +1181,11 @@ class _Rewriter:
             if eqn.primitive.name == "dot_general"
             else "etrax.conv"
         )
-        extras = []
+        extras = ["the data read by every head"] if headed else []
         if plan.bias_eqn is not None:
             extras.append("with the following add as its bias")
+        if plan.merge:
+            extras.append("its heads merged into one axis by the reshape that follows")
         features = int(aval_of(eqn.outvars[0]).shape[-1])
         n = sum(len(_cut_parts(jaxpr.eqns[c], features) or []) for c in plan.cuts)
         if pieces is not None:
@@ -1404,12 +1411,13 @@ def _headed_dims(eqn: JaxprEqn, weight_slot: int) -> bool:
     return x_ndim in (1, 2)
 
 
-def _grouped_op(eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any) -> Any:
+def _grouped_op(eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any, merge: bool = False) -> Any:
     """The dot_general of `_grouped_dims` as `etrax.grouped_matmul`: the operands moved
     to ``([B,] G, I)`` and ``(G, I, O)``, the result back to the dot_general's layout
     (batch, then the first operand's free axes, then the second's). One of
     `_headed_dims` reads the data ``([B,] I)`` in every group (broadcast to
-    ``([B,] G, I)``)."""
+    ``([B,] G, I)``). With `merge` (`_merged_heads`), the result is ``([B,] G·O)``, the
+    value of the transpose and reshape that followed the dot_general."""
     from ..ops import grouped_matmul
 
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -1418,18 +1426,62 @@ def _grouped_op(eqn: JaxprEqn, slot: int, x: Any, w: Any, bias: Any) -> Any:
         heads, features = [d for d in range(3) if d != wc]
         w3 = jnp.transpose(w, (heads, wc, features))
         x3 = jnp.broadcast_to(x[..., None, :], (*jnp.shape(x)[:-1], w3.shape[0], w3.shape[1]))
-        y = grouped_matmul(x3, w3, bias)  # ([B,] G, O)
-        return jnp.transpose(y, (1, 2, 0)) if slot == 0 and jnp.ndim(x) == 2 else y
-    (xb, wb) = (lb[0], rb[0]) if slot == 1 else (rb[0], lb[0])
-    (xc, wc) = (lc[0], rc[0]) if slot == 1 else (rc[0], lc[0])
-    (wf,) = [d for d in range(3) if d not in (wb, wc)]
-    x_free = [d for d in range(jnp.ndim(x)) if d not in (xb, xc)]
-    w3 = jnp.transpose(w, (wb, wc, wf))
-    x3 = jnp.transpose(x, (*x_free, xb, xc))
-    y = grouped_matmul(x3, w3, bias)  # ([B,] G, O)
+    else:
+        (xb, wb) = (lb[0], rb[0]) if slot == 1 else (rb[0], lb[0])
+        (xc, wc) = (lc[0], rc[0]) if slot == 1 else (rc[0], lc[0])
+        (wf,) = [d for d in range(3) if d not in (wb, wc)]
+        x_free = [d for d in range(jnp.ndim(x)) if d not in (xb, xc)]
+        w3 = jnp.transpose(w, (wb, wc, wf))
+        x3 = jnp.transpose(x, (*x_free, xb, xc))
+    y = grouped_matmul(x3, w3, bias, merge_groups=merge)  # ([B,] G, O) or ([B,] G·O)
+    order = _natural_order(eqn, slot)
+    if merge or order == tuple(range(len(order))):
+        return y
+    return jnp.transpose(y, tuple(order.index(d) for d in range(len(order))))
+
+
+def _natural_order(eqn: JaxprEqn, slot: int) -> tuple[int, ...]:
+    """The permutation that lays a grouped product's dot_general result out as
+    `etrax.grouped_matmul`'s ``([B,] G, O)``: the dot_general puts its batch axis (the
+    heads) first, then the first operand's free axes, then the second's; a product
+    onto every head (no batch axis) puts the data's free axis after the weight's two
+    when the weight comes first."""
+    (_, _), (lb, rb) = eqn.params["dimension_numbers"]
+    x_batch = lb if slot == 1 else rb
+    x_free = [d for d in _free_axes(eqn, slot).x_free if d not in x_batch]
     if not x_free:
-        return y  # (G, O): the dot_general's order either way
-    return jnp.transpose(y, (1, 0, 2) if slot == 1 else (1, 2, 0))
+        return (0, 1)
+    if lb:  # (G, B, O) or (G, O, B)
+        return (1, 0, 2) if slot == 1 else (2, 0, 1)
+    return (0, 1, 2) if slot == 1 else (2, 0, 1)  # (B, G, O) or (G, O, B)
+
+
+def _merged_heads(jaxpr: Jaxpr, uses: _Uses, eqn: JaxprEqn, slot: int) -> tuple[int, ...]:
+    """The equations after a grouped product that only lay its result out as
+    ``([B,] G, O)`` (a transpose, where the dot_general's order differs) and then merge
+    its heads into one axis, ``reshape(..., G·O)``: the product is then one
+    `etrax.grouped_matmul(..., merge_groups=True)`, whose output lines up with a flat
+    state of heads. Empty when the result is read otherwise."""
+    order = _natural_order(eqn, slot)
+    value, chain = eqn.outvars[0], []
+    if order != tuple(range(len(order))):
+        j = uses.only_consumer(value)
+        if j is None or jaxpr.eqns[j].primitive.name != "transpose":
+            return ()
+        if tuple(jaxpr.eqns[j].params["permutation"]) != order:
+            return ()
+        chain.append(j)
+        value = jaxpr.eqns[j].outvars[0]
+    j = uses.only_consumer(value)
+    if j is None or jaxpr.eqns[j].primitive.name != "reshape":
+        return ()
+    shape = tuple(aval_of(value).shape)
+    reshape = jaxpr.eqns[j]
+    if reshape.params.get("dimensions") is not None or len(reshape.invars) != 1:
+        return ()
+    if tuple(aval_of(reshape.outvars[0]).shape) != (*shape[:-2], shape[-2] * shape[-1]):
+        return ()
+    return (*chain, j)
 
 
 def _accumulation_dtype(eqn: JaxprEqn, x: Any, w: Any) -> Any:

@@ -481,11 +481,10 @@ def _tail(
         reshaped = math.prod(op.y_shape) == math.prod(V) and len(op.y_shape) != len(V)
         hint = (
             " y holds as many positions as the group, in another shape, as when a "
-            "product's output is reshaped into heads or its heads merged into one axis: "
-            "keep the hidden state in the shape of the products that reach it, as "
-            f"{op.y_shape} with heads, and write every product per head (an input onto "
-            "every head is einsum('...i,gio->...go', x, W), a recurrent one "
-            "einsum('...gi,gio->...go', h, U)) to trace it."
+            "product's heads are merged into one axis after it meets other values: keep "
+            f"the hidden state in the products' shape ({op.y_shape} with heads), or "
+            "merge each product's heads right after it (einsum('...gi,gio->...go', "
+            "h.reshape(..., G, N), U).reshape(..., G * N)), to trace it."
             if reshaped
             else " y fills only part of the group's last axis, as when the states of two "
             "populations are concatenated into one: keep each part in a HiddenState of its "
