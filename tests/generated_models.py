@@ -222,13 +222,20 @@ class LearnedDecay(Layer):
 
 
 class PlainWeights(Layer):
-    """Plain-JAX weight uses: ``h ← 0.5 h + tanh(x @ W_p + matmul(x, W) [+ h @ U])``."""
+    """Plain-JAX weight uses: ``h ← 0.5 h + tanh(x @ W_p + matmul(x, W) [+ h @ U])``.
+
+    Variants 5 and 7 of width 4 write the recurrent product per head: two heads of two
+    units, with ``U``'s diagonal blocks as their weights, each head's output merged
+    back into the flat state right after the product (``einsum('...gi,gio->...go',
+    h.reshape(..., 2, 2), blocks).reshape(..., 4)``).
+    """
 
     def __init__(self, n_in: int, n: int, rng: np.random.Generator, variant: int) -> None:
         super().__init__()
         self.n = n
         self.n_out = n
         self.recurrent = variant % 2 == 1
+        self.headed = variant in (5, 7) and n == 4
         self.w_plain = brainstate.ParamState(_param(rng, (n_in, n)))
         self.w = brainstate.ParamState(_param(rng, (n_in, n)))
         self.u = brainstate.ParamState(_param(rng, (n, n)))
@@ -240,7 +247,13 @@ class PlainWeights(Layer):
         x = jnp.asarray(x)
         h = self.h.value
         pre = x @ self.w_plain.value + etrax.matmul(x, self.w.value)
-        if self.recurrent:
+        if self.headed:
+            u = self.u.value
+            blocks = jnp.stack([u[:2, :2], u[2:, 2:]])  # (heads, in, out)
+            lead = h.shape[:-1]
+            heads = jnp.einsum("...gi,gio->...go", h.reshape(*lead, 2, 2), blocks)
+            pre = pre + heads.reshape(*lead, 4)
+        elif self.recurrent:
             pre = pre + h @ self.u.value
         new = 0.5 * h + jnp.tanh(pre)
         self.h.value = new
