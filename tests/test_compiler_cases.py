@@ -591,7 +591,8 @@ def test_an_input_product_onto_heads_is_a_grouped_matmul(form: str, batch: int |
 class MergedHeads(PerHead):
     """`SharedInputHeads`'s ``"shared"`` model with its state kept flat, ``(12,)`` or
     ``(batch, 12)``: each product's heads merged into the state's one axis right after
-    it (``"each"``), or their sum's (``"sum"``)."""
+    it (``"each"``), their sum's (``"sum"``), or those of their sum less its mean per
+    head (``"centred"``)."""
 
     def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
         self.h = brainstate.HiddenState(
@@ -605,23 +606,29 @@ class MergedHeads(PerHead):
         b = jnp.einsum("...gi,gio->...go", h.reshape(*lead, 3, 4), self.U.value)
         if self.form == "each":
             a = a.reshape(*lead, 12) + b.reshape(*lead, 12)
-        else:
+        elif self.form == "sum":
             a = (a + b).reshape(*lead, 12)
+        else:
+            c = a + b
+            a = (c - jnp.mean(c, axis=-1, keepdims=True)).reshape(*lead, 12)
         self.h.value = 0.5 * h + jnp.tanh(a)
         return self.h.value
 
 
 @pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+@pytest.mark.parametrize("form", ["each", "sum"])
 def test_per_head_products_whose_heads_are_merged_into_a_flat_state_are_traced(
-    batch: int | None,
+    form: str, batch: int | None
 ) -> None:
-    """Each product's ``(3, 4)`` heads merged right after it (``reshape``, after the
-    transpose that lays out a batched one) into a flat ``(12,)`` state: the product and
-    the merge are one `etrax.grouped_matmul(..., merge_groups=True)`, whose output lines
-    up with the state. Both weights are traced, every rule equals BPTT at T = 1, and over
-    a sequence each rule learns exactly as on the ``(3, 4)`` state. Before, the
-    products' outputs did not line up with the state and neither weight was traced."""
-    model, heads = MergedHeads("each"), SharedInputHeads("shared")
+    """Each product's ``(3, 4)`` heads merged into a flat ``(12,)`` state right after it
+    (``reshape``, after the transpose that lays out a batched one), or after the
+    products' sum (the merge then moved onto each product, `merge_heads_first`): each
+    product and its merge are one `etrax.grouped_matmul(..., merge_groups=True)`, whose
+    output lines up with the state. Both weights are traced, every rule equals BPTT at
+    T = 1, and over a sequence each rule learns exactly as on the ``(3, 4)`` state.
+    Before, the products' outputs did not line up with the state and neither weight was
+    traced."""
+    model, heads = MergedHeads(form), SharedInputHeads("shared")
     brainstate.nn.init_all_states(model, batch_size=batch)
     brainstate.nn.init_all_states(heads, batch_size=batch)
     shape = (2,) if batch is None else (batch, 2)
@@ -659,12 +666,13 @@ def test_per_head_products_whose_heads_are_merged_into_a_flat_state_are_traced(
             )
 
 
-def test_products_whose_heads_are_merged_after_their_sum_say_how_to_trace_them() -> None:
-    """The negative control: the heads merged only after the products meet (``(a +
-    b).reshape``), so neither product's ``(3, 4)`` output lines up with the ``(12,)``
-    state. Neither weight is traced, the online rules refuse the model with etrax's
-    error, and the records say how to get the products traced."""
-    model = MergedHeads("sum")
+def test_products_whose_heads_are_merged_after_a_norm_say_how_to_trace_them() -> None:
+    """The negative control: the heads merged only after the products' sum less its
+    mean per head, which is not element-wise, so no merge moves onto the products and
+    neither product's ``(3, 4)`` output lines up with the ``(12,)`` state. Neither
+    weight is traced, the online rules refuse the model with etrax's error, and the
+    records say how to get the products traced."""
+    model = MergedHeads("centred")
     brainstate.nn.init_all_states(model)
     graph = etrax.compile_etrace_graph(model, jnp.zeros(2))
     for path in (("W",), ("U",)):

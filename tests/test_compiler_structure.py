@@ -6,6 +6,7 @@ from typing import Any
 import brainstate
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jaxtyping import Array
 
@@ -300,3 +301,52 @@ def test_cuts_of_joins_read_the_piece_they_lie_in() -> None:
     assert "split" not in [e.primitive.name for e in folded.jaxpr.eqns]
     plain = jax.make_jaxpr(lambda a: jnp.split(jnp.tanh(a), 2, axis=-1))(a)
     assert fold_cuts_of_joins(plain) is plain
+
+
+def test_a_merge_of_heads_moves_onto_the_products_it_combines() -> None:
+    """`merge_heads_first`: ``(tanh(a) * 0.5 + b + c).reshape(..., G * O)``, with ``a``
+    and ``b`` per-head products (``b`` transposed after its product) and ``c`` data, is
+    computed with the reshape on ``a``, ``b`` and ``c``; the values are unchanged. A
+    combination with no product, a value also read elsewhere, and a reshape that does
+    not merge the last two axes are left as they are."""
+    from etrax._compat import Var, eval_jaxpr
+    from etrax.compiler._jaxpr import drop_dead_equations, merge_heads_first
+    from etrax.compiler._positions import ELEMENTWISE
+
+    def is_product(eqn: Any) -> bool:
+        return bool(eqn.primitive.name == "dot_general")
+
+    def f(x: Array, h: Array, w: Array, u: Array, c: Array) -> tuple[Array, ...]:
+        a = jnp.einsum("bi,gio->bgo", x, w)
+        b = jnp.einsum("bgi,gio->bgo", h, u)  # a dot_general, then a transpose
+        merged = (jnp.tanh(a) * 0.5 + b + c).reshape(2, 12)
+        plain = (c * 2.0).reshape(2, 12)  # no product
+        shared = a + c  # also read whole below
+        return merged, plain, shared.reshape(2, 12), shared, (a + c).reshape(2, 3, 2, 2)
+
+    shapes = [(2, 5), (2, 3, 4), (3, 5, 4), (3, 4, 4), (2, 3, 4)]
+    args = [jax.random.normal(jax.random.PRNGKey(k), s) for k, s in enumerate(shapes)]
+    closed = jax.make_jaxpr(f)(*args)
+    moved = drop_dead_equations(merge_heads_first(closed, ELEMENTWISE, is_product))
+    expected = eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    got = eval_jaxpr(moved.jaxpr, moved.consts, *args)
+    for x, y in zip(got, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-12)
+    producers = {v: e for e in moved.jaxpr.eqns for v in e.outvars}
+
+    def reshaped_reads(var: Any) -> list[str]:
+        """The primitives producing what each reshape under `var`'s sum reads."""
+        eqn = producers[var]
+        if eqn.primitive.name == "reshape":
+            (src,) = eqn.invars
+            return [producers[src].primitive.name if src in producers else "input"]
+        reads = [a for a in eqn.invars if isinstance(a, Var) and a in producers]
+        return [name for a in reads for name in reshaped_reads(a)]
+
+    merged, plain, shared, _, split = moved.jaxpr.outvars
+    assert producers[merged].primitive.name == "add"
+    assert sorted(reshaped_reads(merged)) == ["dot_general", "input", "transpose"]
+    for out in (plain, shared, split):
+        assert producers[out].primitive.name == "reshape"
+    nothing = jax.make_jaxpr(lambda c: (c * 2.0).reshape(2, 12))(args[4])
+    assert merge_heads_first(nothing, ELEMENTWISE, is_product) is nothing

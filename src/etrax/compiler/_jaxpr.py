@@ -37,6 +37,7 @@ __all__ = [
     "eval_equations",
     "fold_cuts_of_joins",
     "inline_calls",
+    "merge_heads_first",
     "slice_program",
 ]
 
@@ -360,6 +361,109 @@ def fold_cuts_of_joins(closed: ClosedJaxpr) -> ClosedJaxpr:
         return [_read(env, a) for a in jaxpr.outvars]
 
     return jax.make_jaxpr(folded)(*(struct_of(v) for v in jaxpr.invars))
+
+
+def _merges_last_two(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a ``reshape`` that merges its operand's last two axes,
+    ``(..., G, O) → (..., G·O)``."""
+    if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
+        return False
+    if len(eqn.invars) != 1 or not isinstance(eqn.invars[0], Var):
+        return False
+    shape = tuple(aval_of(eqn.invars[0]).shape)
+    merged = (*shape[:-2], shape[-2] * shape[-1]) if len(shape) >= 2 else None
+    return tuple(aval_of(eqn.outvars[0]).shape) == merged
+
+
+def merge_heads_first(
+    closed: ClosedJaxpr, element_wise: frozenset[str], is_product: Callable[[JaxprEqn], bool]
+) -> ClosedJaxpr:
+    """`closed` with each reshape that merges the last two axes of an element-wise
+    combination of products applied to the combination's values first:
+    ``(a + b).reshape(..., G * O)`` is computed as ``a.reshape(..., G * O) +
+    b.reshape(..., G * O)``, so that each per-head product ``a`` (an equation
+    `is_product` accepts, or a transpose of one) has its heads merged right after it,
+    and the compiler reads it as one product onto the flat state. The combination
+    (equations whose primitive is in `element_wise`, each read only by the next) is
+    moved only when one of its values is such a product. Invariant: invars, outvars
+    and values are kept; `closed` itself when nothing moves."""
+    jaxpr = closed.jaxpr
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars if not isinstance(v, DropVar)}
+    reads: dict[Var, int] = {}
+    for eqn in jaxpr.eqns:
+        for a in eqn.invars:
+            if isinstance(a, Var):
+                reads[a] = reads.get(a, 0) + 1
+    outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+
+    def product(v: Var) -> bool:
+        eqn = producers.get(v)
+        if eqn is not None and eqn.primitive.name == "transpose":
+            inner = eqn.invars[0]
+            eqn = producers.get(inner) if isinstance(inner, Var) else None
+        return eqn is not None and is_product(eqn)
+
+    def combination(v: Var, shape: tuple[int, ...], inner: list[JaxprEqn]) -> bool:
+        """Whether `v` reaches a product through element-wise equations read only here
+        (collected in `inner`, outermost first)."""
+        eqn = producers.get(v)
+        if eqn is None or eqn.primitive.name not in element_wise or len(eqn.outvars) != 1:
+            return product(v)
+        if reads.get(v, 0) != 1 or v in outputs:
+            return product(v)
+        if any(
+            isinstance(a, Var) and tuple(aval_of(a).shape) not in (shape, ()) for a in eqn.invars
+        ):
+            return product(v)
+        inner.append(eqn)
+        found = False
+        for a in eqn.invars:
+            if isinstance(a, Var) and tuple(aval_of(a).shape) == shape:
+                found = combination(a, shape, inner) or found
+        return found
+
+    moved: dict[int, list[JaxprEqn]] = {}  # reshape index → the combination it merges
+    for i, eqn in enumerate(jaxpr.eqns):
+        if not _merges_last_two(eqn):
+            continue
+        v = eqn.invars[0]
+        inner: list[JaxprEqn] = []
+        if combination(v, tuple(aval_of(v).shape), inner) and inner:
+            moved[i] = inner
+    if not moved:
+        return closed
+    skipped = {id(e) for inner in moved.values() for e in inner}
+    consts = closed.consts
+
+    def merged_first(*args: Any) -> list[Any]:
+        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+
+        def merged(atom: Any, reshape: JaxprEqn, inner: list[JaxprEqn]) -> Any:
+            eqn = producers.get(atom) if isinstance(atom, Var) else None
+            if eqn is not None and any(eqn is e for e in inner):
+                values = [merged(a, reshape, inner) for a in eqn.invars]
+                (out,) = bind_equation(eqn, values)
+                return out
+            value = _read(env, atom)
+            if jax.numpy.ndim(value) == 0:
+                return value
+            (out,) = bind_equation(reshape, [value])
+            return out
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            if id(eqn) in skipped:
+                continue
+            if i in moved:
+                outs = [merged(eqn.invars[0], eqn, moved[i])]
+            else:
+                outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
+            for v, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, DropVar):
+                    env[v] = val
+        return [_read(env, a) for a in jaxpr.outvars]
+
+    return jax.make_jaxpr(merged_first)(*(struct_of(v) for v in jaxpr.invars))
 
 
 def slice_program(

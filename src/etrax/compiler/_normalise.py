@@ -74,7 +74,8 @@ from .._compat import (
 from .._errors import NotSupportedError, RewriteLimitError
 from .._typing import Path
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
-from ._jaxpr import drop_dead_equations, fold_cuts_of_joins, inline_calls
+from ._jaxpr import drop_dead_equations, fold_cuts_of_joins, inline_calls, merge_heads_first
+from ._positions import ELEMENTWISE
 
 __all__ = ["CompilePolicy", "normalise", "note_dead_reads"]
 
@@ -1529,8 +1530,10 @@ def normalise(
     if-converted, the nested calls of their bodies inlined, what nothing reads
     dropped), then weight ops are recognised on the flat jaxpr, so that an op and
     what it feeds are seen together wherever they were written (a product computed
-    once before a loop of sub-steps and cut into gates inside it, say). Last, every
-    part cut out of a join along its joining axis is read from the piece it lies in
+    once before a loop of sub-steps and cut into gates inside it, say). Before the
+    second pass, a reshape that merges the heads of an element-wise combination of
+    products is moved onto each product (`merge_heads_first`). Last, every part cut
+    out of a join along its joining axis is read from the piece it lies in
     (`fold_cuts_of_joins`), also the parts the second pass cut.
 
     **Arguments:**
@@ -1553,6 +1556,8 @@ def normalise(
     if _has_control_flow(closed.jaxpr, weight_inputs, policy):
         closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, True))
         closed = live(inline_calls(closed))  # what a loop body computes and no one reads
+    if policy.recognise_weight_ops:  # per-head products merged into a flat state
+        closed = merge_heads_first(closed, ELEMENTWISE, _is_product)
     if policy.recognise_weight_ops and _has_weight_ops(closed.jaxpr, weight_inputs):
         closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, False))
         closed = live(closed)  # a value cut in pieces that no one reads whole
@@ -1560,6 +1565,16 @@ def normalise(
     if folded is not closed:
         closed = live(folded)  # the joins that only the cuts read
     return closed, records
+
+
+def _is_product(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a per-head product (`_grouped_dims` or `_headed_dims`, with
+    either operand as the weight), whose heads `merge_heads_first` may merge first. A
+    plain ``x @ W`` is not: a batch flattened into its features is no flat state of
+    heads, and its bias stays folded into it."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    return any(_grouped_dims(eqn, slot) or _headed_dims(eqn, slot) for slot in (0, 1))
 
 
 def _input_kinds(

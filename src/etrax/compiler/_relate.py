@@ -481,10 +481,11 @@ def _tail(
         reshaped = math.prod(op.y_shape) == math.prod(V) and len(op.y_shape) != len(V)
         hint = (
             " y holds as many positions as the group, in another shape, as when a "
-            "product's heads are merged into one axis after it meets other values: keep "
-            f"the hidden state in the products' shape ({op.y_shape} with heads), or "
-            "merge each product's heads right after it (einsum('...gi,gio->...go', "
-            "h.reshape(..., G, N), U).reshape(..., G * N)), to trace it."
+            "product's heads are merged into one axis after an operation that is not "
+            "element-wise (a norm per head, say): keep the hidden state in the products' "
+            f"shape ({op.y_shape} with heads), or merge each product's heads before it "
+            "(einsum('...gi,gio->...go', h.reshape(..., G, N), U).reshape(..., G * N)), "
+            "to trace it."
             if reshaped
             else " y fills only part of the group's last axis, as when the states of two "
             "populations are concatenated into one: keep each part in a HiddenState of its "
