@@ -271,24 +271,54 @@ class ReluGates(brainstate.nn.Module):
         return self.out(self.h.value)
 
 
-@pytest.mark.parametrize("kind", ["relu", "alif", "relu_gates"])
+class FlatHeads(brainstate.nn.Module):
+    """Two heads of two units on a flat ``(batch, 4)`` state: ``h ← h/2 + tanh((x_heads +
+    h_heads).reshape(batch, 4))`` with ``x_heads = einsum('bi,gio->bgo', x, W)`` and
+    ``h_heads = einsum('bgi,gio->bgo', h.reshape(batch, 2, 2), U)`` (each product and
+    the merge of its heads one `etrax.grouped_matmul(..., merge_groups=True)`), and a
+    readout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        key = jax.random.PRNGKey(6)
+        self.w = brainstate.ParamState(0.5 * jax.random.normal(key, (2, 3, 2)))
+        self.u = brainstate.ParamState(
+            0.5 * jax.random.normal(jax.random.fold_in(key, 1), (2, 2, 2))
+        )
+        self.out = etrax.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (4,) if batch_size is None else (batch_size, 4)
+        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
+
+    def update(self, x: Any) -> Any:
+        h = self.h.value
+        lead = h.shape[:-1]
+        a = jnp.einsum("...i,gio->...go", x, self.w.value)
+        b = jnp.einsum("...gi,gio->...go", h.reshape(*lead, 2, 2), self.u.value)
+        self.h.value = 0.5 * h + jnp.tanh((a + b).reshape(*lead, 4))
+        return self.out(self.h.value)
+
+
+@pytest.mark.parametrize("kind", ["relu", "alif", "relu_gates", "flat_heads"])
 def test_custom_jvp_models_under_shard_map_and_pmap(kind: str) -> None:
     """Models whose step calls a `custom_jvp` function (a spike's surrogate, ReLU,
-    ReLU evaluated gate by gate on the parts of a product): the step, `bptt_grad` and
-    every online rule under `jax.shard_map` (then under `jax.pmap`, in the same
-    process) equal the single-device results. Re-binding the call's jaxpr, made
-    outside the map, mixed varying values with invariant literals (a raw JAX error),
-    and the rule's JVP jaxpr, traced once, must not keep the mesh of the first map it
-    ran under."""
+    ReLU evaluated gate by gate on the parts of a product), and one whose per-head
+    products are merged into a flat state: the step, `bptt_grad` and every online rule
+    under `jax.shard_map` (then under `jax.pmap`, in the same process) equal the
+    single-device results. Re-binding the call's jaxpr, made outside the map, mixed
+    varying values with invariant literals (a raw JAX error), and the rule's JVP
+    jaxpr, traced once, must not keep the mesh of the first map it ran under."""
     cls: dict[str, tuple[Any, ...]] = {
-        "alif": (SpikingReadout,), "relu": (LoopedLeak, "relu"), "relu_gates": (ReluGates,)
+        "alif": (SpikingReadout,), "relu": (LoopedLeak, "relu"), "relu_gates": (ReluGates,),
+        "flat_heads": (FlatHeads,),
     }  # fmt: skip
     args = cls[kind]
     full_model, _ = build(*args, batch=4)
     local_model, _ = build(*args, batch=2)
     full = etrax.compile_etrace_graph(full_model, jnp.zeros((4, 3)))
     local = etrax.compile_etrace_graph(local_model, jnp.zeros((2, 3)))
-    if kind == "relu_gates":  # cut into the gates, with the ReLU on each part
+    if kind in ("relu_gates", "flat_heads"):  # cut into the gates / merged heads traced
         rules_of = local.weight_rules()
         assert all(rules_of[p].rule is etrax.WeightRule.TRACED for p in (("w",), ("u",)))
     state = etrax.state_of(full)
@@ -299,13 +329,14 @@ def test_custom_jvp_models_under_shard_map_and_pmap(kind: str) -> None:
     xs = jax.random.normal(jax.random.PRNGKey(0), (5, 4, 3))
     targets = jax.random.normal(jax.random.PRNGKey(1), (5, 4, 2))
     rules: list[etrax.OnlineAlgorithm[Any]] = [
-        etrax.DRTRL(chunk_steps=2), etrax.PPProp(0.9), etrax.EProp(0.5, chunk_steps=1)
+        etrax.DRTRL(chunk_steps=2),
+        etrax.PPProp(0.9),
+        etrax.EProp(0.5, chunk_steps=1),
     ]
 
     def grads(graph: etrax.ETraceGraph, st: etrax.ModelState, xs: Any, targets: Any) -> Any:
         online = [
-            etrax.online_grad(graph, a, st, a.init(graph, st), xs, targets, _mse)[0]
-            for a in rules
+            etrax.online_grad(graph, a, st, a.init(graph, st), xs, targets, _mse)[0] for a in rules
         ]
         exact, _ = etrax.bptt_grad(graph, st, xs, targets, _mse)
         y, _, jac = etrax.step(graph, st, xs[0])

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from .._compat import match_varying
 from .._errors import CompilationError
 from .._pathdict import PathDict
 from .._typing import Path, PyTree
@@ -161,6 +162,9 @@ def check_relations(graph: ETraceGraph, name: str) -> None:
         )
 
 
+_Z = TypeVar("_Z")
+
+
 def zeros_eff(graph: ETraceGraph, dtype: Any) -> EffGrads:
     """Zero effective-operand gradients, one dict per relation."""
     plan = plan_of(graph)
@@ -169,6 +173,17 @@ def zeros_eff(graph: ETraceGraph, dtype: Any) -> EffGrads:
         for k in slot.keys:
             out[slot.relation][k] = jnp.zeros(slot.eff_shapes[k], dtype)
     return tuple(out)
+
+
+def varying_zeros(zeros: _Z, *terms: Any) -> _Z:
+    """`zeros`, the start of a sum carried through a loop, cast to vary over every
+    manual mesh axis one of `terms` (any pytrees) varies over inside `jax.shard_map`,
+    as the sum will once a term is added (a loop's carry must keep its type). Outside
+    `jax.shard_map`, `zeros` itself."""
+    leaves, tree = jax.tree.flatten(zeros)
+    others = jax.tree.leaves(terms)
+    matched = match_varying([*leaves, *others])[: len(leaves)]
+    return jax.tree.unflatten(tree, matched)  # type: ignore[no-any-return]
 
 
 def add_into(acc: dict[str, Array], grads: Mapping[str, Array]) -> None:
@@ -383,7 +398,6 @@ def scan_chunk(
         return (tr, acc), None
 
     olds_in = None if olds is None else tuple(olds)
-    (traces, acc), _ = jax.lax.scan(
-        body, (traces, zeros_eff(graph, dtype)), (jacs, tuple(signals), olds_in)
-    )
+    zeros = varying_zeros(zeros_eff(graph, dtype), traces, jacs, signals, olds_in)
+    (traces, acc), _ = jax.lax.scan(body, (traces, zeros), (jacs, tuple(signals), olds_in))
     return traces, acc

@@ -14,7 +14,14 @@ from .._errors import CompilationError
 from ..compiler import ETraceGraph
 from ..executor import StepJacobians
 from ._axes import Coupled, Diagonal, Kappa, NoFilter, Sparse
-from ._base import ONE_SAMPLE_CPU_CHUNK_STEPS, EffGrads, Weights, add_into, scan_chunk
+from ._base import (
+    ONE_SAMPLE_CPU_CHUNK_STEPS,
+    EffGrads,
+    Weights,
+    add_into,
+    scan_chunk,
+    varying_zeros,
+)
 from ._kernels import (
     ChunkBackward,
     ChunkParts,
@@ -168,7 +175,8 @@ def _chunk_eps(
             acc = {k: acc[k] + gt[k] for k in acc}
             return (tr, acc), None
 
-        zero = {k: jnp.zeros(slot.eff_shapes[k], df.dtype) for k in slot.keys}
+        zeros = {k: jnp.zeros(slot.eff_shapes[k], df.dtype) for k in slot.keys}
+        zero = varying_zeros(zeros, e, x, df, D, L, N)
         (traces[n], g), _ = jax.lax.scan(body, (e, zero), (x, df, D, L, N))
         add_into(out[slot.relation], g)
     weighed = chunk_grads([(slot, part) for _, slot, part in fused])
