@@ -544,6 +544,22 @@ class SharedInputHeads(PerHead):
         return self.h.value
 
 
+def _wholly_traced_heads(
+    model: brainstate.nn.Module, reference: brainstate.nn.Module, batch: int | None
+) -> tuple[etrax.ETraceGraph, tuple[int, ...]]:
+    """`model` and `reference` initialised (2 inputs), and `model`'s graph, whose two
+    weights are traced; with the input's shape."""
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    brainstate.nn.init_all_states(reference, batch_size=batch)
+    shape = (2,) if batch is None else (batch, 2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
+    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
+        ("W",): etrax.WeightRule.TRACED,
+        ("U",): etrax.WeightRule.TRACED,
+    }
+    return graph, shape
+
+
 @pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
 @pytest.mark.parametrize("form", ["shared", "shared_weight_first"])
 def test_an_input_product_onto_heads_is_a_grouped_matmul(form: str, batch: int | None) -> None:
@@ -554,14 +570,7 @@ def test_an_input_product_onto_heads_is_a_grouped_matmul(form: str, batch: int |
     with the input broadcast to the heads by hand. Before, ``W`` was a plain use
     (two free weight axes), learned from its instantaneous gradient only."""
     model, by_hand = SharedInputHeads(form), SharedInputHeads("broadcast")
-    brainstate.nn.init_all_states(model, batch_size=batch)
-    brainstate.nn.init_all_states(by_hand, batch_size=batch)
-    shape = (2,) if batch is None else (batch, 2)
-    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
-    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
-        ("W",): etrax.WeightRule.TRACED,
-        ("U",): etrax.WeightRule.TRACED,
-    }
+    graph, shape = _wholly_traced_heads(model, by_hand, batch)
     (note,) = [r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.weight_path == ("W",)]
     assert "grouped_matmul (the data read by every head)" in note.message, note.message
     state = etrax.state_of(graph)
@@ -629,14 +638,7 @@ def test_per_head_products_whose_heads_are_merged_into_a_flat_state_are_traced(
     Before, the products' outputs did not line up with the state and neither weight was
     traced."""
     model, heads = MergedHeads(form), SharedInputHeads("shared")
-    brainstate.nn.init_all_states(model, batch_size=batch)
-    brainstate.nn.init_all_states(heads, batch_size=batch)
-    shape = (2,) if batch is None else (batch, 2)
-    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
-    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
-        ("W",): etrax.WeightRule.TRACED,
-        ("U",): etrax.WeightRule.TRACED,
-    }
+    graph, shape = _wholly_traced_heads(model, heads, batch)
     for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED):
         assert "heads merged into one axis by the reshape that follows" in r.message, r.message
     state = etrax.state_of(graph)
