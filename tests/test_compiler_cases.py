@@ -689,6 +689,107 @@ def test_products_whose_heads_are_merged_after_a_norm_say_how_to_trace_them() ->
         etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
 
 
+class StackedGates(brainstate.nn.Module):
+    """A GRU whose gate weights are stacked on a leading axis, ``W (3, in, n)`` and
+    ``U (3, n, n)``: ``gx = einsum('...i,gio->g...o', x, W)`` and the same for ``h``,
+    each gate read as ``gx[k]`` (``"stacked"``); the same model with each gate's
+    product written on its own, ``x @ W[k]`` (``"indexed"``); or, the negative
+    control, with ``gx``'s first two gates taken together, ``gx[:2]`` (``"pairs"``)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(jax.random.PRNGKey(7), (3, 2, 4)))
+        self.U = brainstate.ParamState(0.4 * jax.random.normal(jax.random.PRNGKey(8), (3, 4, 4)))
+
+    def init_state(self, batch_size: Any = None, **kwargs: Any) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((4,) if batch_size is None else (batch_size, 4)))
+
+    def update(self, x: Any) -> Any:
+        h, w, u = self.h.value, self.W.value, self.U.value
+        if self.form == "indexed":
+            gx = [x @ w[k] for k in range(3)]
+            gh = [h @ u[k] for k in range(3)]
+        else:
+            stacked_x = jnp.einsum("...i,gio->g...o", x, w)
+            gx = [stacked_x[k] for k in range(3)]
+            if self.form == "pairs":
+                first_two = stacked_x[:2]
+                gx = [first_two[0], first_two[1], stacked_x[2]]
+            stacked_h = jnp.einsum("...i,gio->g...o", h, u)
+            gh = [stacked_h[k] for k in range(3)]
+        r = jax.nn.sigmoid(gx[0] + gh[0])
+        z = jax.nn.sigmoid(gx[1] + gh[1])
+        self.h.value = z * h + (1 - z) * jnp.tanh(gx[2] + r * gh[2])
+        return self.h.value
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+def test_gates_stacked_on_a_leading_axis_are_traced(batch: int | None) -> None:
+    """A product onto stacked gates, ``einsum('...i,gio->g...o', x, W)``, read one
+    gate at a time (``gates[k]``) is computed one gate at a time, ``x @ W[k]``
+    (`split_products_read_head_by_head`): both weights are traced, every rule equals
+    BPTT at T = 1, and over a sequence D-RTRL learns exactly as the model written gate
+    by gate. Before, each product's ``(3, [batch,] 4)`` output lined up with no state
+    and both weights learned from their instantaneous gradient only."""
+    model, by_gate = StackedGates("stacked"), StackedGates("indexed")
+    brainstate.nn.init_all_states(model, batch_size=batch)
+    brainstate.nn.init_all_states(by_gate, batch_size=batch)
+    shape = (2,) if batch is None else (batch, 2)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
+    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
+        ("W",): etrax.WeightRule.TRACED,
+        ("U",): etrax.WeightRule.TRACED,
+    }
+    state = etrax.state_of(graph)
+    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
+    state = state.replace_hidden({("h",): h})
+    xs = jax.random.normal(jax.random.PRNGKey(3), (5, *shape))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (5, *h.shape))
+    want = bptt_grads(model, state, xs[:1], ts[:1], _squared)
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for rule in rules:
+        one = etrax.online_grad(
+            graph, rule, state, rule.init(graph, state), xs[:1], ts[:1], _squared
+        )
+        for path in want:
+            np.testing.assert_allclose(
+                np.asarray(one.grads[path]), want[path], rtol=1e-10, atol=1e-12
+            )
+    reference = etrax.compile_etrace_graph(by_gate, jnp.zeros(shape))
+    rule = etrax.DRTRL()
+    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+    ref = etrax.online_grad(reference, rule, state, rule.init(reference, state), xs, ts, _squared)
+    for path in want:
+        np.testing.assert_allclose(
+            np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
+        )
+
+
+def test_stacked_gates_read_two_at_a_time_are_not_split() -> None:
+    """The negative control: ``gx[:2]`` reads two gates of the input product at once,
+    so that product is kept whole; its ``(3, 4)`` output lines up with no state and
+    ``W`` learns from its instantaneous gradient (``relation_excluded_shape_mismatch``),
+    while ``U``'s product, read one gate at a time, is split and traced. Every rule
+    still equals BPTT at T = 1."""
+    model = StackedGates("pairs")
+    brainstate.nn.init_all_states(model)
+    graph = etrax.compile_etrace_graph(model, jnp.zeros(2))
+    rules_of = graph.weight_rules()
+    assert rules_of[("W",)].reason is K.RELATION_EXCLUDED_SHAPE_MISMATCH
+    assert rules_of[("U",)].rule is etrax.WeightRule.TRACED
+    state = etrax.state_of(graph)
+    xs, ts = jnp.ones((1, 2)), jnp.ones((1, 4))
+    want = bptt_grads(model, state, xs, ts, _squared)
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for rule in rules:
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+        for path in want:
+            np.testing.assert_allclose(
+                np.asarray(got.grads[path]), want[path], rtol=1e-10, atol=1e-12
+            )
+
+
 def _squared(y: Array, t: Array) -> Array:
     return jnp.sum((y - t) ** 2)
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, final
 
 import jax
+import jax.numpy as jnp
 
 from .._compat import (
     ClosedJaxpr,
@@ -39,6 +40,7 @@ __all__ = [
     "inline_calls",
     "merge_heads_first",
     "slice_program",
+    "split_products_read_head_by_head",
 ]
 
 
@@ -464,6 +466,130 @@ def merge_heads_first(
         return [_read(env, a) for a in jaxpr.outvars]
 
     return jax.make_jaxpr(merged_first)(*(struct_of(v) for v in jaxpr.invars))
+
+
+def _heads_product(eqn: JaxprEqn) -> tuple[int, list[str]] | None:
+    """A dot_general of data ``(in,)`` or ``(batch, in)`` (contracted on its last axis)
+    with a 3-D weight of one contracted and two free axes (heads, features): the
+    weight's operand index and the output's axes named ``"g"`` (heads), ``"o"``
+    (features) and ``"b"`` (the data's batch); `None` for any other equation."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+    if lb or len(lc) != 1:
+        return None
+    ndim = [len(aval_of(a).shape) for a in eqn.invars]
+    for slot in (0, 1):
+        x_contract = (rc if slot == 0 else lc)[0]
+        x_ndim = ndim[1 - slot]
+        if ndim[slot] == 3 and x_ndim in (1, 2) and x_contract == x_ndim - 1:
+            batch = ["b"] * (x_ndim - 1)
+            return slot, (["g", "o", *batch] if slot == 0 else [*batch, "g", "o"])
+    return None
+
+
+def _one_head(
+    jaxpr_eqns: Sequence[JaxprEqn], reads: Mapping[Var, list[int]], value: Var, axis: int
+) -> list[tuple[int, int, int]] | None:
+    """``(slice index, squeeze index, head)`` for every read of `value`, when each takes
+    one head: a stride-1 ``slice`` of one element along `axis` (the whole of every
+    other axis) whose only read is a ``squeeze`` of that axis; `None` otherwise."""
+    shape = tuple(aval_of(value).shape)
+    found = []
+    for i in reads.get(value, []):
+        eqn = jaxpr_eqns[i]
+        if eqn.primitive.name != "slice" or any(s != 1 for s in eqn.params["strides"] or ()):
+            return None
+        starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
+        if limits[axis] - starts[axis] != 1:
+            return None
+        if any((starts[d], limits[d]) != (0, n) for d, n in enumerate(shape) if d != axis):
+            return None
+        later = reads.get(eqn.outvars[0], [])
+        if len(later) != 1 or jaxpr_eqns[later[0]].primitive.name != "squeeze":
+            return None
+        if tuple(jaxpr_eqns[later[0]].params["dimensions"]) != (axis,):
+            return None
+        found.append((i, later[0], int(starts[axis])))
+    return found or None
+
+
+def split_products_read_head_by_head(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with each product onto several heads (``einsum('...i,gio->g...o', x,
+    W)``) whose every read takes one head (``gates[k]``: gates stacked on a leading
+    axis) computed one head at a time, ``x @ W[k]``: each head then is a plain
+    product that lines up with the state it feeds, as gates computed one by one do.
+    Invariant: invars, outvars and values are kept; `closed` itself when nothing
+    splits."""
+    jaxpr = closed.jaxpr
+    reads: dict[Var, list[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for a in eqn.invars:
+            if isinstance(a, Var):
+                reads.setdefault(a, []).append(i)
+    outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    plans: dict[int, tuple[JaxprEqn, int, list[str]]] = {}  # squeeze → product, head, axes
+    skipped: set[int] = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        found = _heads_product(eqn)
+        if found is None:
+            continue
+        _, axes = found
+        value, chain = eqn.outvars[0], [i]
+        later = reads.get(value, [])
+        if len(later) == 1 and jaxpr.eqns[later[0]].primitive.name == "transpose":
+            perm = jaxpr.eqns[later[0]].params["permutation"]
+            axes = [axes[p] for p in perm]
+            chain.append(later[0])
+            value = jaxpr.eqns[later[0]].outvars[0]
+        if value in outputs or any(v in outputs for v in (eqn.outvars[0], value)):
+            continue
+        heads = _one_head(jaxpr.eqns, reads, value, axes.index("g"))
+        if heads is None:
+            continue
+        rest = [a for a in axes if a != "g"]
+        skipped.update(chain)
+        for cut, squeeze, head in heads:
+            skipped.add(cut)
+            plans[squeeze] = eqn, head, rest
+    if not plans:
+        return closed
+    consts = closed.consts
+
+    def one_head(env: dict[Var, Any], eqn: JaxprEqn, head: int, rest: list[str]) -> Any:
+        slot, _ = _heads_product(eqn) or (0, [])
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        w_contract, x_contract = (lc[0], rc[0]) if slot == 0 else (rc[0], lc[0])
+        w, x = _read(env, eqn.invars[slot]), _read(env, eqn.invars[1 - slot])
+        w_heads = next(d for d in range(3) if d != w_contract)  # the output's "g"
+        w_k = jax.lax.index_in_dim(w, head, axis=w_heads, keepdims=False)
+        k_contract = w_contract - (w_contract > w_heads)
+        y = jax.lax.dot_general(
+            x,
+            w_k,
+            (((x_contract,), (k_contract,)), ((), ())),
+            preferred_element_type=eqn.params.get("preferred_element_type"),
+        )  # ([b,] o)
+        return jnp.transpose(y) if rest == ["o", "b"] else y
+
+    def split(*args: Any) -> list[Any]:
+        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for i, eqn in enumerate(jaxpr.eqns):
+            if i in skipped:
+                continue
+            if i in plans:
+                product, head, rest = plans[i]
+                with equation_context(product):
+                    outs = [one_head(env, product, head, rest)]
+            else:
+                outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
+            for v, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, DropVar):
+                    env[v] = val
+        return [_read(env, a) for a in jaxpr.outvars]
+
+    return jax.make_jaxpr(split)(*(struct_of(v) for v in jaxpr.invars))
 
 
 def slice_program(

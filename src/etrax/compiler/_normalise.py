@@ -74,7 +74,13 @@ from .._compat import (
 from .._errors import NotSupportedError, RewriteLimitError
 from .._typing import Path
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
-from ._jaxpr import drop_dead_equations, fold_cuts_of_joins, inline_calls, merge_heads_first
+from ._jaxpr import (
+    drop_dead_equations,
+    fold_cuts_of_joins,
+    inline_calls,
+    merge_heads_first,
+    split_products_read_head_by_head,
+)
 from ._positions import ELEMENTWISE
 
 __all__ = ["CompilePolicy", "normalise", "note_dead_reads"]
@@ -1532,7 +1538,9 @@ def normalise(
     what it feeds are seen together wherever they were written (a product computed
     once before a loop of sub-steps and cut into gates inside it, say). Before the
     second pass, a reshape that merges the heads of an element-wise combination of
-    products is moved onto each product (`merge_heads_first`). Last, every part cut
+    products is moved onto each product (`merge_heads_first`), and a product onto
+    stacked gates read one gate at a time is computed one gate at a time
+    (`split_products_read_head_by_head`). Last, every part cut
     out of a join along its joining axis is read from the piece it lies in
     (`fold_cuts_of_joins`), also the parts the second pass cut.
 
@@ -1558,6 +1566,9 @@ def normalise(
         closed = live(inline_calls(closed))  # what a loop body computes and no one reads
     if policy.recognise_weight_ops:  # per-head products merged into a flat state
         closed = merge_heads_first(closed, ELEMENTWISE, _is_product)
+        split = split_products_read_head_by_head(closed)  # gates stacked on a leading axis
+        if split is not closed:
+            closed = live(split)  # the whole products that only the heads read
     if policy.recognise_weight_ops and _has_weight_ops(closed.jaxpr, weight_inputs):
         closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, False))
         closed = live(closed)  # a value cut in pieces that no one reads whole
