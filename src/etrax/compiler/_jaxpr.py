@@ -250,6 +250,31 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(flat)(*avals)
 
 
+_Outputs = Callable[[int, JaxprEqn, dict[Var, Any]], list[Any] | None]
+
+
+def _retraced(closed: ClosedJaxpr, outputs: _Outputs) -> ClosedJaxpr:
+    """`closed` traced again equation by equation: each equation's outputs are
+    ``outputs(index, eqn, env)`` (`env` holding every value so far), or the equation
+    re-bound where that is `None`. An equation whose outputs nothing reads any more
+    may give placeholders. Invariant: invars and outvars keep their order and avals."""
+    jaxpr, consts = closed.jaxpr, closed.consts
+
+    def run(*args: Any) -> list[Any]:
+        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for i, eqn in enumerate(jaxpr.eqns):
+            outs = outputs(i, eqn, env)
+            if outs is None:
+                outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
+            for v, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, DropVar):
+                    env[v] = val
+        return [_read(env, a) for a in jaxpr.outvars]
+
+    return jax.make_jaxpr(run)(*(struct_of(v) for v in jaxpr.invars))
+
+
 _Range = tuple[int, int]
 _Piece = tuple[Any, int, int]
 """An atom and the range ``[lo, hi)`` of it along the cut axis."""
@@ -338,31 +363,26 @@ def fold_cuts_of_joins(closed: ClosedJaxpr) -> ClosedJaxpr:
             folds[i] = axis, pieces
     if not folds:
         return closed
-    consts = closed.consts
 
-    def folded(*args: Any) -> list[Any]:
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for i, eqn in enumerate(jaxpr.eqns):
-            axis, pieces = folds.get(i, (0, []))
-            if pieces and all(p is not None for p in pieces):
-                outs: list[Any] = [None] * len(pieces)  # the cut itself is not needed
-            else:
-                outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
-            for k, piece in enumerate(pieces):
-                if piece is not None:
-                    atom, lo, hi = piece
-                    value = _read(env, atom)
-                    if (lo, hi) != (0, jax.numpy.shape(value)[axis]):
-                        with equation_context(eqn):
-                            value = jax.lax.slice_in_dim(value, lo, hi, axis=axis)
-                    outs[k] = value
-            for v, val in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, DropVar):
-                    env[v] = val
-        return [_read(env, a) for a in jaxpr.outvars]
+    def folded(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
+        if i not in folds:
+            return None
+        axis, pieces = folds[i]
+        if all(p is not None for p in pieces):
+            outs: list[Any] = [None] * len(pieces)  # the cut itself is not needed
+        else:
+            outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
+        for k, piece in enumerate(pieces):
+            if piece is not None:
+                atom, lo, hi = piece
+                value = _read(env, atom)
+                if (lo, hi) != (0, jnp.shape(value)[axis]):
+                    with equation_context(eqn):
+                        value = jax.lax.slice_in_dim(value, lo, hi, axis=axis)
+                outs[k] = value
+        return outs
 
-    return jax.make_jaxpr(folded)(*(struct_of(v) for v in jaxpr.invars))
+    return _retraced(closed, folded)
 
 
 def _merges_last_two(eqn: JaxprEqn) -> bool:
@@ -435,37 +455,26 @@ def merge_heads_first(
     if not moved:
         return closed
     skipped = {id(e) for inner in moved.values() for e in inner}
-    consts = closed.consts
 
-    def merged_first(*args: Any) -> list[Any]:
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-
-        def merged(atom: Any, reshape: JaxprEqn, inner: list[JaxprEqn]) -> Any:
-            eqn = producers.get(atom) if isinstance(atom, Var) else None
-            if eqn is not None and any(eqn is e for e in inner):
-                values = [merged(a, reshape, inner) for a in eqn.invars]
-                (out,) = bind_equation(eqn, values)
-                return out
-            value = _read(env, atom)
-            if jax.numpy.ndim(value) == 0:
-                return value
-            (out,) = bind_equation(reshape, [value])
+    def merged(atom: Any, reshape: JaxprEqn, inner: list[JaxprEqn], env: dict[Var, Any]) -> Any:
+        eqn = producers.get(atom) if isinstance(atom, Var) else None
+        if eqn is not None and any(eqn is e for e in inner):
+            (out,) = bind_equation(eqn, [merged(a, reshape, inner, env) for a in eqn.invars])
             return out
+        value = _read(env, atom)
+        if jnp.ndim(value) == 0:
+            return value
+        (out,) = bind_equation(reshape, [value])
+        return out
 
-        for i, eqn in enumerate(jaxpr.eqns):
-            if id(eqn) in skipped:
-                continue
-            if i in moved:
-                outs = [merged(eqn.invars[0], eqn, moved[i])]
-            else:
-                outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
-            for v, val in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, DropVar):
-                    env[v] = val
-        return [_read(env, a) for a in jaxpr.outvars]
+    def merged_first(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
+        if id(eqn) in skipped:
+            return [None] * len(eqn.outvars)  # read only by the combination, now merged
+        if i in moved:
+            return [merged(eqn.invars[0], eqn, moved[i], env)]
+        return None
 
-    return jax.make_jaxpr(merged_first)(*(struct_of(v) for v in jaxpr.invars))
+    return _retraced(closed, merged_first)
 
 
 def _heads_product(eqn: JaxprEqn) -> tuple[int, list[str]] | None:
@@ -554,7 +563,6 @@ def split_products_read_head_by_head(closed: ClosedJaxpr) -> ClosedJaxpr:
             plans[squeeze] = eqn, head, rest
     if not plans:
         return closed
-    consts = closed.consts
 
     def one_head(env: dict[Var, Any], eqn: JaxprEqn, head: int, rest: list[str]) -> Any:
         slot, _ = _heads_product(eqn) or (0, [])
@@ -572,24 +580,16 @@ def split_products_read_head_by_head(closed: ClosedJaxpr) -> ClosedJaxpr:
         )  # ([b,] o)
         return jnp.transpose(y) if rest == ["o", "b"] else y
 
-    def split(*args: Any) -> list[Any]:
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for i, eqn in enumerate(jaxpr.eqns):
-            if i in skipped:
-                continue
-            if i in plans:
-                product, head, rest = plans[i]
-                with equation_context(product):
-                    outs = [one_head(env, product, head, rest)]
-            else:
-                outs = bind_equation(eqn, [_read(env, a) for a in eqn.invars])
-            for v, val in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, DropVar):
-                    env[v] = val
-        return [_read(env, a) for a in jaxpr.outvars]
+    def split(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
+        if i in skipped:
+            return [None] * len(eqn.outvars)  # the whole product, read only by its heads
+        if i in plans:
+            product, head, rest = plans[i]
+            with equation_context(product):
+                return [one_head(env, product, head, rest)]
+        return None
 
-    return jax.make_jaxpr(split)(*(struct_of(v) for v in jaxpr.invars))
+    return _retraced(closed, split)
 
 
 def slice_program(
