@@ -2,6 +2,7 @@
 the reference system that etrax fixes (no dependence on jaxpr shape, several
 hidden states per equation, relations into stacked states, plain weight uses)."""
 
+from collections.abc import Callable
 from typing import Any
 
 import brainstate
@@ -560,6 +561,48 @@ def _wholly_traced_heads(
     return graph, shape
 
 
+def _learns_like(
+    model: brainstate.nn.Module,
+    graph: etrax.ETraceGraph,
+    shape: tuple[int, ...],
+    reference: brainstate.nn.Module,
+    steps: int,
+    every_rule: bool = False,
+    layout: Callable[[Array], Array] = lambda a: a,
+) -> None:
+    """From a random hidden state ``h``: every rule on `graph` equals BPTT through
+    `model`'s own ``update`` at T = 1, and over `steps` steps D-RTRL (every rule with
+    `every_rule`) gives what it gives on `reference`'s graph, whose hidden state and
+    targets are `layout` of `model`'s."""
+    state = etrax.state_of(graph)
+    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
+    state = state.replace_hidden({("h",): h})
+    xs = jax.random.normal(jax.random.PRNGKey(3), (steps, *shape))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (steps, *h.shape))
+    want = bptt_grads(model, state, xs[:1], ts[:1], _squared)
+    ref_graph = etrax.compile_etrace_graph(reference, jnp.zeros(shape))
+    ref_state = etrax.state_of(ref_graph).replace_hidden({("h",): layout(h)})
+    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
+    for n, rule in enumerate(rules):
+        one = etrax.online_grad(
+            graph, rule, state, rule.init(graph, state), *(xs[:1], ts[:1]), _squared
+        )
+        for path in want:
+            np.testing.assert_allclose(
+                np.asarray(one.grads[path]), want[path], rtol=1e-10, atol=1e-12
+            )
+        if n and not every_rule:
+            continue
+        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+        ref = etrax.online_grad(
+            ref_graph, rule, ref_state, rule.init(ref_graph, ref_state), xs, layout(ts), _squared
+        )
+        for path in want:
+            np.testing.assert_allclose(
+                np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
+            )
+
+
 @pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
 @pytest.mark.parametrize("form", ["shared", "shared_weight_first"])
 def test_an_input_product_onto_heads_is_a_grouped_matmul(form: str, batch: int | None) -> None:
@@ -573,28 +616,7 @@ def test_an_input_product_onto_heads_is_a_grouped_matmul(form: str, batch: int |
     graph, shape = _wholly_traced_heads(model, by_hand, batch)
     (note,) = [r for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED) if r.weight_path == ("W",)]
     assert "grouped_matmul (the data read by every head)" in note.message, note.message
-    state = etrax.state_of(graph)
-    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
-    state = state.replace_hidden({("h",): h})
-    xs = jax.random.normal(jax.random.PRNGKey(3), (6, *shape))
-    ts = jax.random.normal(jax.random.PRNGKey(4), (6, *h.shape))
-    want = bptt_grads(model, state, xs[:1], ts[:1], _squared)
-    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
-    for rule in rules:
-        first = (xs[:1], ts[:1])
-        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), *first, _squared)
-        for path in want:
-            np.testing.assert_allclose(
-                np.asarray(got.grads[path]), want[path], rtol=1e-10, atol=1e-12
-            )
-    reference = etrax.compile_etrace_graph(by_hand, jnp.zeros(shape))
-    rule = etrax.DRTRL()
-    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
-    ref = etrax.online_grad(reference, rule, state, rule.init(reference, state), xs, ts, _squared)
-    for path in want:
-        np.testing.assert_allclose(
-            np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
-        )
+    _learns_like(model, graph, shape, by_hand, steps=6)
 
 
 class MergedHeads(PerHead):
@@ -641,31 +663,10 @@ def test_per_head_products_whose_heads_are_merged_into_a_flat_state_are_traced(
     graph, shape = _wholly_traced_heads(model, heads, batch)
     for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED):
         assert "heads merged into one axis by the reshape that follows" in r.message, r.message
-    state = etrax.state_of(graph)
-    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
-    state = state.replace_hidden({("h",): h})
-    xs = jax.random.normal(jax.random.PRNGKey(3), (5, *shape))
-    ts = jax.random.normal(jax.random.PRNGKey(4), (5, *h.shape))
-    want = bptt_grads(model, state, xs[:1], ts[:1], _squared)
-    reference = etrax.compile_etrace_graph(heads, jnp.zeros(shape))
-    ref_state = etrax.state_of(reference).replace_hidden({("h",): h.reshape(*h.shape[:-1], 3, 4)})
-    ref_ts = ts.reshape(*ts.shape[:-1], 3, 4)
-    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
-    for rule in rules:
-        one = etrax.online_grad(
-            graph, rule, state, rule.init(graph, state), xs[:1], ts[:1], _squared
-        )
-        got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
-        ref = etrax.online_grad(
-            reference, rule, ref_state, rule.init(reference, ref_state), xs, ref_ts, _squared
-        )
-        for path in want:
-            np.testing.assert_allclose(
-                np.asarray(one.grads[path]), want[path], rtol=1e-10, atol=1e-12
-            )
-            np.testing.assert_allclose(
-                np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
-            )
+    _learns_like(
+        model, graph, shape, heads, steps=5, every_rule=True,
+        layout=lambda a: a.reshape(*a.shape[:-1], 3, 4),
+    )  # fmt: skip
 
 
 def test_products_whose_heads_are_merged_after_a_norm_say_how_to_trace_them() -> None:
@@ -733,37 +734,8 @@ def test_gates_stacked_on_a_leading_axis_are_traced(batch: int | None) -> None:
     by gate. Before, each product's ``(3, [batch,] 4)`` output lined up with no state
     and both weights learned from their instantaneous gradient only."""
     model, by_gate = StackedGates("stacked"), StackedGates("indexed")
-    brainstate.nn.init_all_states(model, batch_size=batch)
-    brainstate.nn.init_all_states(by_gate, batch_size=batch)
-    shape = (2,) if batch is None else (batch, 2)
-    graph = etrax.compile_etrace_graph(model, jnp.zeros(shape))
-    assert {p: s.rule for p, s in graph.weight_rules().items()} == {
-        ("W",): etrax.WeightRule.TRACED,
-        ("U",): etrax.WeightRule.TRACED,
-    }
-    state = etrax.state_of(graph)
-    h = jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
-    state = state.replace_hidden({("h",): h})
-    xs = jax.random.normal(jax.random.PRNGKey(3), (5, *shape))
-    ts = jax.random.normal(jax.random.PRNGKey(4), (5, *h.shape))
-    want = bptt_grads(model, state, xs[:1], ts[:1], _squared)
-    rules: list[etrax.OnlineAlgorithm[Any]] = [etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp(0.5)]
-    for rule in rules:
-        one = etrax.online_grad(
-            graph, rule, state, rule.init(graph, state), xs[:1], ts[:1], _squared
-        )
-        for path in want:
-            np.testing.assert_allclose(
-                np.asarray(one.grads[path]), want[path], rtol=1e-10, atol=1e-12
-            )
-    reference = etrax.compile_etrace_graph(by_gate, jnp.zeros(shape))
-    rule = etrax.DRTRL()
-    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
-    ref = etrax.online_grad(reference, rule, state, rule.init(reference, state), xs, ts, _squared)
-    for path in want:
-        np.testing.assert_allclose(
-            np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
-        )
+    graph, shape = _wholly_traced_heads(model, by_gate, batch)
+    _learns_like(model, graph, shape, by_gate, steps=5)
 
 
 def test_stacked_gates_read_two_at_a_time_are_not_split() -> None:

@@ -253,11 +253,13 @@ class ReluGates(brainstate.nn.Module):
     """``a, b = split(relu(x @ W + h @ U), 2)``: `jax.nn.relu` evaluated on each gate's
     part of the products (`etrax.compiler`'s fused gates), and a readout."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, w_shape: tuple[int, ...] = (3, 8), u_shape: tuple[int, ...] = (4, 8), seed: int = 5
+    ) -> None:
         super().__init__()
-        key = jax.random.PRNGKey(5)
-        self.w = brainstate.ParamState(0.5 * jax.random.normal(key, (3, 8)))
-        self.u = brainstate.ParamState(0.3 * jax.random.normal(jax.random.fold_in(key, 1), (4, 8)))
+        key = jax.random.PRNGKey(seed)
+        self.w = brainstate.ParamState(0.5 * jax.random.normal(key, w_shape))
+        self.u = brainstate.ParamState(0.3 * jax.random.normal(jax.random.fold_in(key, 1), u_shape))
         self.out = etrax.nn.Linear(4, 2)
 
     def init_state(self, batch_size: int | None = None, **kw: object) -> None:
@@ -271,7 +273,7 @@ class ReluGates(brainstate.nn.Module):
         return self.out(self.h.value)
 
 
-class FlatHeads(brainstate.nn.Module):
+class FlatHeads(ReluGates):
     """Two heads of two units on a flat ``(batch, 4)`` state: ``h ← h/2 + tanh((x_heads +
     h_heads).reshape(batch, 4))`` with ``x_heads = einsum('bi,gio->bgo', x, W)`` and
     ``h_heads = einsum('bgi,gio->bgo', h.reshape(batch, 2, 2), U)`` (each product and
@@ -279,17 +281,7 @@ class FlatHeads(brainstate.nn.Module):
     readout."""
 
     def __init__(self) -> None:
-        super().__init__()
-        key = jax.random.PRNGKey(6)
-        self.w = brainstate.ParamState(0.5 * jax.random.normal(key, (2, 3, 2)))
-        self.u = brainstate.ParamState(
-            0.5 * jax.random.normal(jax.random.fold_in(key, 1), (2, 2, 2))
-        )
-        self.out = etrax.nn.Linear(4, 2)
-
-    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
-        shape = (4,) if batch_size is None else (batch_size, 4)
-        self.h = brainstate.HiddenState(jnp.zeros(shape, brainstate.environ.dftype()))
+        super().__init__(w_shape=(2, 3, 2), u_shape=(2, 2, 2), seed=6)
 
     def update(self, x: Any) -> Any:
         h = self.h.value

@@ -410,7 +410,9 @@ def merge_heads_first(
     moved only when one of its values is such a product. Invariant: invars, outvars
     and values are kept; `closed` itself when nothing moves."""
     jaxpr = closed.jaxpr
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars if not isinstance(v, DropVar)}
+    producers = {
+        v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars if not isinstance(v, DropVar)
+    }
     reads: dict[Var, int] = {}
     for eqn in jaxpr.eqns:
         for a in eqn.invars:
@@ -418,47 +420,51 @@ def merge_heads_first(
                 reads[a] = reads.get(a, 0) + 1
     outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
 
-    def product(v: Var) -> bool:
-        eqn = producers.get(v)
-        if eqn is not None and eqn.primitive.name == "transpose":
-            inner = eqn.invars[0]
-            eqn = producers.get(inner) if isinstance(inner, Var) else None
-        return eqn is not None and is_product(eqn)
+    def producer(atom: Any) -> int | None:
+        return producers.get(atom) if isinstance(atom, Var) else None
 
-    def combination(v: Var, shape: tuple[int, ...], inner: list[JaxprEqn]) -> bool:
+    def product(v: Var) -> bool:
+        i = producer(v)
+        if i is not None and jaxpr.eqns[i].primitive.name == "transpose":
+            i = producer(jaxpr.eqns[i].invars[0])
+        return i is not None and is_product(jaxpr.eqns[i])
+
+    def combination(v: Var, shape: tuple[int, ...], inner: set[int]) -> bool:
         """Whether `v` reaches a product through element-wise equations read only here
-        (collected in `inner`, outermost first)."""
-        eqn = producers.get(v)
-        if eqn is None or eqn.primitive.name not in element_wise or len(eqn.outvars) != 1:
+        (their indices collected in `inner`)."""
+        i = producer(v)
+        if i is None or jaxpr.eqns[i].primitive.name not in element_wise:
             return product(v)
-        if reads.get(v, 0) != 1 or v in outputs:
+        eqn = jaxpr.eqns[i]
+        if len(eqn.outvars) != 1 or reads.get(v, 0) != 1 or v in outputs:
             return product(v)
         if any(
             isinstance(a, Var) and tuple(aval_of(a).shape) not in (shape, ()) for a in eqn.invars
         ):
             return product(v)
-        inner.append(eqn)
+        inner.add(i)
         found = False
         for a in eqn.invars:
             if isinstance(a, Var) and tuple(aval_of(a).shape) == shape:
                 found = combination(a, shape, inner) or found
         return found
 
-    moved: dict[int, list[JaxprEqn]] = {}  # reshape index → the combination it merges
+    moved: dict[int, set[int]] = {}  # reshape index → the combination it merges
     for i, eqn in enumerate(jaxpr.eqns):
         if not _merges_last_two(eqn):
             continue
         v = eqn.invars[0]
-        inner: list[JaxprEqn] = []
+        inner: set[int] = set()
         if combination(v, tuple(aval_of(v).shape), inner) and inner:
             moved[i] = inner
     if not moved:
         return closed
-    skipped = {id(e) for inner in moved.values() for e in inner}
+    skipped = set().union(*moved.values())
 
-    def merged(atom: Any, reshape: JaxprEqn, inner: list[JaxprEqn], env: dict[Var, Any]) -> Any:
-        eqn = producers.get(atom) if isinstance(atom, Var) else None
-        if eqn is not None and any(eqn is e for e in inner):
+    def merged(atom: Any, reshape: JaxprEqn, inner: set[int], env: dict[Var, Any]) -> Any:
+        i = producer(atom)
+        if i is not None and i in inner:
+            eqn = jaxpr.eqns[i]
             (out,) = bind_equation(eqn, [merged(a, reshape, inner, env) for a in eqn.invars])
             return out
         value = _read(env, atom)
@@ -468,7 +474,7 @@ def merge_heads_first(
         return out
 
     def merged_first(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
-        if id(eqn) in skipped:
+        if i in skipped:
             return [None] * len(eqn.outvars)  # read only by the combination, now merged
         if i in moved:
             return [merged(eqn.invars[0], eqn, moved[i], env)]
