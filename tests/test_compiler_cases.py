@@ -14,6 +14,7 @@ from jaxtyping import Array, ArrayLike
 
 import etrax
 from etrax import DiagnosticKind as K
+from etrax.compiler import _normalise
 
 from .models import LeakyLinear, build
 from .oracles import bptt_grads
@@ -588,9 +589,7 @@ def _learns_like(
             graph, rule, state, rule.init(graph, state), *(xs[:1], ts[:1]), _squared
         )
         for path in want:
-            np.testing.assert_allclose(
-                np.asarray(one.grads[path]), want[path], rtol=1e-10, atol=1e-12
-            )
+            _tree_close(one.grads[path], want[path])
         if n and not every_rule:
             continue
         got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
@@ -598,9 +597,15 @@ def _learns_like(
             ref_graph, rule, ref_state, rule.init(ref_graph, ref_state), xs, layout(ts), _squared
         )
         for path in want:
-            np.testing.assert_allclose(
-                np.asarray(got.grads[path]), np.asarray(ref.grads[path]), rtol=1e-10, atol=1e-12
-            )
+            _tree_close(got.grads[path], ref.grads[path])
+
+
+def _tree_close(got: Any, want: Any) -> None:
+    """Every leaf of `got` equals `want`'s to float64 precision (a parameter's gradient
+    is an array, or a dict of them for an `etrax.nn` layer)."""
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    for a, b in pairs:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
@@ -878,9 +883,18 @@ def test_one_group_of_two_dtypes_is_refused_at_compile_time() -> None:
         etrax.compile_etrace_graph(model, jnp.ones(3))
 
 
+def _surrogate(v: Array) -> Array:
+    """The pseudo-derivative of the spikes below."""
+    return 1.0 / (1.0 + 5.0 * jnp.abs(v)) ** 2
+
+
+def _heaviside(v: Array) -> Array:
+    return (v > 0).astype(v.dtype)
+
+
 @jax.custom_vjp
 def _vjp_spike(v: Array) -> Array:
-    return (v > 0).astype(v.dtype)
+    return _heaviside(v)
 
 
 def _spike_fwd(v: Array) -> tuple[Array, Array]:
@@ -888,25 +902,163 @@ def _spike_fwd(v: Array) -> tuple[Array, Array]:
 
 
 def _spike_bwd(v: Array, g: Array) -> tuple[Array]:
-    return (g / (1.0 + 5.0 * jnp.abs(v)) ** 2,)
+    return (g * _surrogate(v),)
 
 
 _vjp_spike.defvjp(_spike_fwd, _spike_bwd)
 
 
-class VJPSpiking(LeakyLinear):
+def _gradient_spike_rule(v: Array) -> tuple[Array, Callable[[Array], Array]]:
+    return _heaviside(v), lambda g: g * _surrogate(v)
+
+
+_gradient_spike: Callable[[Array], Array] = jax.custom_gradient(_gradient_spike_rule)  # type: ignore[no-untyped-call]  # unannotated in JAX
+
+
+@jax.custom_jvp
+def _jvp_spike(v: Array) -> Array:
+    return _heaviside(v)
+
+
+@_jvp_spike.defjvp
+def _jvp_spike_rule(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    (v,), (t,) = primals, tangents
+    return _jvp_spike(v), _surrogate(v) * t
+
+
+@jax.custom_vjp
+def _sign_spike(v: Array) -> Array:
+    return _heaviside(v)
+
+
+_sign_spike.defvjp(_spike_fwd, lambda v, g: (jnp.sign(g) * _surrogate(v),))
+
+SPIKES: dict[str, Callable[[Array], Array]] = {
+    "custom_vjp": _vjp_spike,
+    "custom_gradient": _gradient_spike,
+    "custom_jvp": _jvp_spike,
+    "not_linear": _sign_spike,
+}
+
+
+class Spiking(LeakyLinear):
+    """A LIF-like neuron whose spike function is one of `SPIKES`: its reset has its
+    gradient stopped, its own spikes feed back with theirs."""
+
+    def __init__(self, n_in: int, n_out: int, spike: str) -> None:
+        super().__init__(n_in, n_out)
+        self.spike = spike
+
     def update(self, x: ArrayLike) -> Array:
+        spike = SPIKES[self.spike]
         v = 0.9 * self.h.value + self.fc(x)
-        self.h.value = v - jax.lax.stop_gradient(_vjp_spike(v - 1.0)) + 0.1 * _vjp_spike(v)
+        self.h.value = v - jax.lax.stop_gradient(spike(v - 1.0)) + 0.1 * spike(v)
         return self.h.value
 
 
-def test_a_custom_vjp_surrogate_on_a_traced_path_is_refused_at_compile_time() -> None:
-    """Transitions and tails are differentiated in forward mode, which a custom_vjp
-    function lacks: a typed error at compile time that suggests custom_jvp."""
-    model, x = build(VJPSpiking, 3, 4)
-    with pytest.raises(etrax.NotSupportedError, match="custom_jvp"):
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+@pytest.mark.parametrize("spike", ["custom_vjp", "custom_gradient"])
+def test_a_custom_vjp_surrogate_learns_like_its_custom_jvp_twin(
+    spike: str, batch: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A surrogate spike written with `jax.custom_vjp` (or `jax.custom_gradient`) is
+    differentiated in forward mode through the transpose of its backward rule: the
+    neuron compiles as its `jax.custom_jvp` twin does (the same relations, no
+    warning), D-RTRL over five steps equals BPTT through the model's own ``update``
+    (the user's backward rule; the model is diagonal, so D-RTRL is exact), and every
+    rule learns exactly as on the twin. Without the conversion it is refused."""
+    model, x = build(Spiking, 3, 4, spike, batch=batch)
+    twin, _ = build(Spiking, 3, 4, "custom_jvp", batch=batch)
+    graph = etrax.compile_etrace_graph(model, x)
+    twin_graph = etrax.compile_etrace_graph(twin, x)
+    assert not [r for r in graph.explain() if r.level is not etrax.DiagnosticLevel.INFO]
+    assert len(graph.hidden_param_op_relations) == len(twin_graph.hidden_param_op_relations) > 0
+    state = etrax.state_of(graph)
+    h = 1.2 * jax.random.normal(jax.random.PRNGKey(5), state.hidden[("h",)].shape)
+    state = state.replace_hidden({("h",): h})
+    xs = jax.random.normal(jax.random.PRNGKey(3), (5, *x.shape))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (5, *h.shape))
+    want = bptt_grads(model, state, xs, ts, _squared)
+    rule = etrax.DRTRL()
+    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+    for path in want:
+        _tree_close(got.grads[path], want[path])
+    assert any(float(jnp.max(jnp.abs(g))) > 1e-3 for g in jax.tree.leaves(want))
+    _learns_like(model, graph, x.shape, twin, steps=5, every_rule=True)
+    # the negative control: the conversion switched off
+    monkeypatch.setattr(_normalise, "custom_vjp_as_jvp", lambda closed: closed)
+    with pytest.raises(etrax.NotSupportedError, match="custom_vjp function"):
         etrax.compile_etrace_graph(model, x)
+
+
+def test_a_custom_vjp_whose_backward_rule_is_not_linear_is_refused() -> None:
+    """A backward rule that is not linear in the cotangent (``jnp.sign(g)``) has no
+    transpose: the spike stays a custom_vjp call, refused at compile time with a
+    typed error that says what the rule needs."""
+    model, x = build(Spiking, 3, 4, "not_linear")
+    with pytest.raises(etrax.NotSupportedError, match="linear in the cotangent"):
+        etrax.compile_etrace_graph(model, x)
+
+
+@jax.custom_vjp
+def _vjp_softsign(v: Array) -> Array:
+    return v / (1.0 + jnp.abs(v))
+
+
+_vjp_softsign.defvjp(lambda v: (_vjp_softsign(v), v), lambda v, g: (g / (1.0 + jnp.abs(v)) ** 2,))
+
+
+@jax.custom_jvp
+def _jvp_softsign(v: Array) -> Array:
+    return v / (1.0 + jnp.abs(v))
+
+
+@_jvp_softsign.defjvp
+def _jvp_softsign_rule(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    (v,), (t,) = primals, tangents
+    return _jvp_softsign(v), t / (1.0 + jnp.abs(v)) ** 2
+
+
+class SoftsignGates(brainstate.nn.Module):
+    """``a, b = split(softsign(W [x, h] + c), 2)``, ``h ← h a / 2 + b``: two gates cut
+    from one product after a softsign written with `jax.custom_vjp` (``"vjp"``) or
+    `jax.custom_jvp` (``"jvp"``)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.W = brainstate.ParamState(0.5 * jax.random.normal(jax.random.PRNGKey(1), (7, 8)))
+        self.c = brainstate.ParamState(0.1 * jnp.arange(8.0))
+
+    def init_state(self, batch_size: int | None = None, **kwargs: object) -> None:
+        self.h = brainstate.HiddenState(jnp.zeros((4,) if batch_size is None else (batch_size, 4)))
+
+    def update(self, x: ArrayLike) -> Array:
+        act = _vjp_softsign if self.form == "vjp" else _jvp_softsign
+        z = jnp.concatenate([jnp.asarray(x), self.h.value], axis=-1) @ self.W.value
+        a, b = jnp.split(act(z + self.c.value), 2, axis=-1)
+        self.h.value = 0.5 * self.h.value * a + b
+        return self.h.value
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+def test_gates_cut_after_a_custom_vjp_activation_are_traced(batch: int | None) -> None:
+    """An element-wise `jax.custom_vjp` function between a product and the cut that
+    makes gates of it is evaluated part by part, as a `jax.custom_jvp` one is: the
+    product is cut in two and traced, and every rule learns as with the custom_jvp
+    twin (and equals BPTT at T = 1)."""
+    model, x = build(SoftsignGates, "vjp", batch=batch)
+    twin, _ = build(SoftsignGates, "jvp", batch=batch)
+    graph = etrax.compile_etrace_graph(model, x)
+    assert not graph.explain(kind=K.WEIGHT_PLAIN_USE)
+    reads = [
+        path
+        for r in graph.hidden_param_op_relations
+        for t in r.trainables
+        for path, _ in t.param_leaves
+    ]
+    assert reads.count(("W",)) == 2, reads
+    _learns_like(model, graph, x.shape, twin, steps=5, every_rule=True)
 
 
 class DetachedReset(LeakyLinear):

@@ -350,3 +350,63 @@ def test_a_merge_of_heads_moves_onto_the_products_it_combines() -> None:
         assert producers[out].primitive.name == "reshape"
     nothing = jax.make_jaxpr(lambda c: (c * 2.0).reshape(2, 12))(args[4])
     assert merge_heads_first(nothing, ELEMENTWISE, is_product) is nothing
+
+
+def test_a_custom_vjp_call_becomes_a_custom_jvp_call_of_its_transposed_rule() -> None:
+    """`custom_vjp_as_jvp`: a `jax.custom_vjp` call (with a non-differentiable integer
+    argument and output beside its floats) becomes a `jax.custom_jvp` call whose values
+    are the call's, whose JVP is the user's backward rule transposed (``t ↦ σ'(x) t``
+    here), and whose reverse-mode gradient is the one `jax.grad` gives the original;
+    a backward rule that is not linear in the cotangent is left as it is, and a jaxpr
+    with no custom_vjp call is returned as it is."""
+    from etrax._compat import eval_jaxpr
+    from etrax.compiler._jaxpr import custom_vjp_as_jvp
+
+    def slope(x: Array) -> Array:
+        return 1.0 / (1.0 + 3.0 * jnp.abs(x))
+
+    @jax.custom_vjp
+    def spike(x: Array, k: Array) -> tuple[Array, Array]:
+        return (x > 0).astype(x.dtype) * k.astype(x.dtype), k + 1
+
+    def fwd(x: Array, k: Array) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+        return spike(x, k), (x, k)
+
+    def bwd(res: tuple[Array, Array], cts: tuple[Array, Any]) -> tuple[Array, None]:
+        x, k = res
+        return cts[0] * slope(x) * k.astype(x.dtype), None
+
+    spike.defvjp(fwd, bwd)
+
+    def f(x: Array, k: Array) -> tuple[Array, Array]:
+        y, n = spike(2.0 * x, k)
+        return jnp.sin(y) + x, n
+
+    x, k = jnp.array([-0.4, 0.3, 1.2]), jnp.array(2, jnp.int32)
+    closed = jax.make_jaxpr(f)(x, k)
+    converted = custom_vjp_as_jvp(closed)
+    names = [e.primitive.name for e in converted.jaxpr.eqns]
+    assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names
+
+    def run(c: Any) -> Callable[[Array, Array], list[Array]]:
+        return lambda a, b: eval_jaxpr(c.jaxpr, c.consts, a, b)
+
+    for a, b in zip(run(converted)(x, k), f(x, k), strict=True):
+        np.testing.assert_array_equal(a, b)
+    t = jnp.array([0.5, -1.0, 2.0])
+    _, (dy, _) = jax.jvp(lambda a: run(converted)(a, k), (x,), (t,))
+    y = (2.0 * x > 0).astype(x.dtype) * 2
+    np.testing.assert_allclose(dy, jnp.cos(y) * 2.0 * slope(2.0 * x) * 2 * t + t, rtol=1e-12)
+    grad_new = jax.grad(lambda a: jnp.sum(run(converted)(a, k)[0] ** 2))(x)
+    grad_old = jax.grad(lambda a: jnp.sum(f(a, k)[0] ** 2))(x)
+    np.testing.assert_allclose(grad_new, grad_old, rtol=1e-12)
+
+    @jax.custom_vjp
+    def signed(x: Array) -> Array:
+        return jnp.tanh(x)
+
+    signed.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (jnp.sign(g) * slope(x),))
+    kept = jax.make_jaxpr(signed)(x)
+    assert custom_vjp_as_jvp(kept) is kept
+    plain = jax.make_jaxpr(jnp.tanh)(x)
+    assert custom_vjp_as_jvp(plain) is plain

@@ -292,10 +292,30 @@ class FlatHeads(ReluGates):
         return self.out(self.h.value)
 
 
-@pytest.mark.parametrize("kind", ["relu", "alif", "relu_gates", "flat_heads"])
+@jax.custom_vjp
+def _vjp_relu(x: Any) -> Any:
+    return jnp.maximum(x, 0.0)
+
+
+_vjp_relu.defvjp(lambda x: (_vjp_relu(x), x), lambda x, g: (g * (x > 0.0).astype(g.dtype),))
+
+
+class VJPGates(ReluGates):
+    """`ReluGates` with a ReLU written with `jax.custom_vjp`: the compiler makes it a
+    `custom_jvp` call of its transposed backward rule, cut gate by gate."""
+
+    def update(self, x: Any) -> Any:
+        h = self.h.value
+        a, b = jnp.split(_vjp_relu(x @ self.w.value + h @ self.u.value), 2, axis=-1)
+        self.h.value = 0.5 * jnp.tanh(a) * h + jnp.tanh(b)
+        return self.out(self.h.value)
+
+
+@pytest.mark.parametrize("kind", ["relu", "alif", "relu_gates", "flat_heads", "vjp_gates"])
 def test_custom_jvp_models_under_shard_map_and_pmap(kind: str) -> None:
     """Models whose step calls a `custom_jvp` function (a spike's surrogate, ReLU,
-    ReLU evaluated gate by gate on the parts of a product), and one whose per-head
+    ReLU evaluated gate by gate on the parts of a product, or a ReLU written with
+    `jax.custom_vjp`, which the compiler makes one), and one whose per-head
     products are merged into a flat state: the step, `bptt_grad` and every online rule
     under `jax.shard_map` (then under `jax.pmap`, in the same process) equal the
     single-device results. Re-binding the call's jaxpr, made outside the map, mixed
@@ -303,14 +323,14 @@ def test_custom_jvp_models_under_shard_map_and_pmap(kind: str) -> None:
     jaxpr, traced once, must not keep the mesh of the first map it ran under."""
     cls: dict[str, tuple[Any, ...]] = {
         "alif": (SpikingReadout,), "relu": (LoopedLeak, "relu"), "relu_gates": (ReluGates,),
-        "flat_heads": (FlatHeads,),
+        "flat_heads": (FlatHeads,), "vjp_gates": (VJPGates,),
     }  # fmt: skip
     args = cls[kind]
     full_model, _ = build(*args, batch=4)
     local_model, _ = build(*args, batch=2)
     full = etrax.compile_etrace_graph(full_model, jnp.zeros((4, 3)))
     local = etrax.compile_etrace_graph(local_model, jnp.zeros((2, 3)))
-    if kind in ("relu_gates", "flat_heads"):  # cut into the gates / merged heads traced
+    if kind in ("relu_gates", "flat_heads", "vjp_gates"):  # cut into gates / heads merged
         rules_of = local.weight_rules()
         assert all(rules_of[p].rule is etrax.WeightRule.TRACED for p in (("w",), ("u",)))
     state = etrax.state_of(full)

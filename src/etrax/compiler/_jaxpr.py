@@ -34,6 +34,7 @@ from .._typing import VarId
 __all__ = [
     "Program",
     "VarTable",
+    "custom_vjp_as_jvp",
     "drop_dead_equations",
     "eval_equations",
     "fold_cuts_of_joins",
@@ -670,20 +671,117 @@ def forward_closure(
 CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
+def _inexact(aval: Any) -> bool:
+    return bool(jnp.issubdtype(aval.dtype, jnp.inexact))
+
+
+def _forward_rule(eqn: JaxprEqn) -> Callable[..., list[Any]] | None:
+    """The function of a ``custom_vjp_call`` equation as a `jax.custom_jvp` function:
+    the call's own body, with the JVP ``t ↦ J t`` that is the transpose of the user's
+    pullback ``c ↦ Jᵀ c`` (a surrogate spike's ``c ↦ c · σ'(x)`` gives ``t ↦ σ'(x) · t``).
+    Reverse mode through it transposes that back to the user's pullback, so gradients
+    are the ones `jax.grad` gives the call. The JVP rule is traced once, here, and
+    evaluated from its jaxpr (without the primal call that `jax.vjp` leaves in it and
+    nothing reads), so that the recognition can cut an element-wise one into parts.
+    `None` where the call has no body to evaluate or its pullback cannot be
+    transposed (a backward rule that is not linear in the cotangent)."""
+    body = eqn.params.get("call_jaxpr")
+    if not isinstance(body, ClosedJaxpr) or len(body.jaxpr.invars) != len(eqn.invars):
+        return None
+    avals = [aval_of(v) for v in eqn.invars]
+    wrt = [i for i, a in enumerate(avals) if _inexact(a)]
+    outs = [k for k, v in enumerate(eqn.outvars) if _inexact(v.aval)]
+    if not wrt or not outs:
+        return None
+
+    def primal(*args: Any) -> list[Any]:
+        return eval_jaxpr(body.jaxpr, body.consts, *args)
+
+    def pushforward(primals: list[Any], tangents: list[Any]) -> tuple[list[Any], list[Any]]:
+        def differentiable(*diff: Any) -> list[Any]:
+            full = list(primals)
+            for i, d in zip(wrt, diff, strict=True):
+                full[i] = d
+            result = bind_equation(eqn, full)  # the user's rules, through jax.vjp
+            return [result[k] for k in outs]
+
+        floats, pullback = jax.vjp(differentiable, *(primals[i] for i in wrt))
+        structs = [struct_of(f) for f in floats]
+        (pushed,) = jax.linear_transpose(pullback, structs)(tuple(tangents))
+        return primal(*primals), list(pushed)
+
+    try:  # a pullback JAX cannot transpose fails here
+        traced = jax.make_jaxpr(pushforward)(
+            [struct_of(v) for v in eqn.invars], [struct_of(eqn.invars[i]) for i in wrt]
+        )
+    except Exception:
+        return None
+    traced = drop_dead_equations(traced)
+    n_values = len(eqn.outvars)
+
+    def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+        flat = eval_jaxpr(traced.jaxpr, traced.consts, *primals, *(tangents[i] for i in wrt))
+        values, pushed = flat[:n_values], iter(flat[n_values:])
+        out_tangents = [
+            next(pushed) if k in outs else jnp.zeros(aval_of(v).shape, jax.dtypes.float0)
+            for k, v in enumerate(eqn.outvars)
+        ]  # an integer or boolean output has no tangent
+        return values, out_tangents
+
+    fun = jax.custom_jvp(primal)
+    fun.defjvp(rule)
+
+    def call(*args: Any) -> list[Any]:
+        return list(fun(*args))
+
+    return call
+
+
+def custom_vjp_as_jvp(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with each top-level `jax.custom_vjp` call (a surrogate spike written
+    with `jax.custom_vjp` or `jax.custom_gradient`) made a `jax.custom_jvp` call of the
+    same function, whose forward-mode derivative is the transpose of the user's
+    backward rule (`_forward_rule`): etrax takes the Jacobians of transitions and
+    tails in forward mode, which JAX does not give a custom_vjp function. The values,
+    and the gradients reverse mode gives, are the call's own. A call whose backward
+    rule cannot be transposed is left as it is (and refused where it sits on a
+    traced path, `refuse_custom_vjp`). Returns `closed` itself when nothing changes."""
+    rules = {
+        i: rule
+        for i, eqn in enumerate(closed.jaxpr.eqns)
+        if eqn.primitive.name in CUSTOM_VJP and (rule := _forward_rule(eqn)) is not None
+    }
+    if not rules:
+        return closed
+
+    def converted(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
+        rule = rules.get(i)
+        if rule is None:
+            return None
+        with equation_context(eqn):
+            return rule(*(_read(env, a) for a in eqn.invars))
+
+    return _retraced(closed, converted)
+
+
 def refuse_custom_vjp(program: Program, what: str) -> None:
     """A `NotSupportedError` if `program` (a transition or a tail, whose Jacobians are
-    taken in forward mode) calls a `jax.custom_vjp` function, which JAX cannot
-    differentiate forward: a surrogate spike written with `jax.custom_vjp`, say."""
+    taken in forward mode) still calls a `jax.custom_vjp` function: one that
+    `custom_vjp_as_jvp` could not give a forward-mode rule, as its backward rule is
+    not linear in the cotangent (or not traceable on abstract values)."""
     from .._compat import equation_location
     from .._errors import NotSupportedError
 
     for eqn in program.closed.jaxpr.eqns:
         if eqn.primitive.name in CUSTOM_VJP:
             raise NotSupportedError(
-                f"The {what} calls a jax.custom_vjp function at {equation_location(eqn)}. "
-                "etrax takes the Jacobians of transitions and tails in forward mode, which "
-                "a custom_vjp function does not have. Define a surrogate gradient with "
-                "jax.custom_jvp instead (etrax.nn's spiking neurons do), or keep the "
-                "custom_vjp function off the paths from the previous hidden values and "
-                "the weight operations to the new ones."
+                f"The {what} calls a jax.custom_vjp function at {equation_location(eqn)} "
+                "whose backward rule etrax cannot turn into a forward-mode one. etrax takes "
+                "the Jacobians of transitions and tails in forward mode, and derives a "
+                "custom_vjp function's from its backward rule by transposing it, which "
+                "needs the rule to be linear in the cotangent (ct * surrogate(x), not "
+                "jnp.sign(ct)) and traceable on abstract values. Make it so, define the "
+                "surrogate gradient with jax.custom_jvp instead (etrax.nn's spiking "
+                "neurons do), or keep the function off the paths from the previous hidden "
+                "values and the weight operations to the new ones."
             )

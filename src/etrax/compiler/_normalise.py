@@ -75,6 +75,7 @@ from .._errors import NotSupportedError, RewriteLimitError
 from .._typing import Path
 from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, record
 from ._jaxpr import (
+    custom_vjp_as_jvp,
     drop_dead_equations,
     fold_cuts_of_joins,
     inline_calls,
@@ -1564,6 +1565,10 @@ def normalise(
     if _has_control_flow(closed.jaxpr, weight_inputs, policy):
         closed = _rewritten(closed, _Rewriter(policy, weight_inputs, records, hidden_sizes, True))
         closed = live(inline_calls(closed))  # what a loop body computes and no one reads
+    # custom_vjp calls as custom_jvp ones, also those the loops above held: the
+    # Jacobians are taken in forward mode, and the recognition below cuts an
+    # element-wise call into parts by its rules' jaxprs
+    closed = custom_vjp_as_jvp(closed)
     if policy.recognise_weight_ops:  # per-head products merged into a flat state
         closed = merge_heads_first(closed, ELEMENTWISE, _is_product)
         split = split_products_read_head_by_head(closed)  # gates stacked on a leading axis
