@@ -45,6 +45,23 @@ FAMILIES = ("shared_bias", "tied_weight", "split_reach", "cross_shape", "reused_
 family ``FAMILIES[seed % 5]``, so the families are evenly spread)."""
 
 
+@jax.custom_vjp
+def _vjp_softplus(x: Array) -> Array:
+    """``log(1 + eˣ)`` with its derivative given by `jax.custom_vjp`: ``σ(x)``."""
+    return jnp.logaddexp(x, 0.0)
+
+
+def _softplus_fwd(x: Array) -> tuple[Array, Array]:
+    return _vjp_softplus(x), x
+
+
+def _softplus_bwd(x: Array, g: Array) -> tuple[Array]:
+    return (g * jax.nn.sigmoid(x),)
+
+
+_vjp_softplus.defvjp(_softplus_fwd, _softplus_bwd)
+
+
 @dataclass(frozen=True, eq=False)
 class GeneratedCase:
     """One generated model.
@@ -575,9 +592,11 @@ class FusedGates(Layer):
     computed once before the loop. The other LSTMs, in about half the layers, take
     their three sigmoid gates as ``split(sigmoid(fused[..., :3n]), 3)``: a part cut
     again after a first cut. The one-step GRUs spelled with ``jnp.einsum`` (variant 2)
-    or ``jnp.dot`` (variant 4) whose cut value is not used whole take a ``custom_jvp``
-    activation before the cut, ``split(relu(x @ Wx + b), 3)`` or with `jax.nn.softplus`
-    (decided from the draws above, so the other layers are as they were). The one-step
+    or ``jnp.dot`` (variant 4) whose cut value is not used whole take an activation
+    before the cut: ``split(relu(x @ Wx + b), 3)`` (`jax.nn.relu`, a ``custom_jvp``
+    call), or a softplus written with ``jax.custom_vjp`` (`_vjp_softplus`, which the
+    compiler makes a ``custom_jvp`` call of its transposed backward rule) (decided
+    from the draws above, so the other layers are as they were). The one-step
     GRUs spelled with ``@`` (variant 0) add ``concatenate([h] * 3) * Wh[0]`` to
     ``h @ Wh`` before its cut: gates on the state joined to itself, with a row of
     ``Wh`` as one recurrent weight per unit and gate.
@@ -668,8 +687,8 @@ class FusedGates(Layer):
             self.c.value = c
         else:
             fused = self._product(x) + self.b.value
-            if self.activated:  # a custom_jvp call before the cut
-                fused = (jax.nn.relu if self.spelling == 1 else jax.nn.softplus)(fused)
+            if self.activated:  # a custom_jvp / custom_vjp call before the cut
+                fused = (jax.nn.relu if self.spelling == 1 else _vjp_softplus)(fused)
             xr, xz, xn = jnp.split(fused, 3, axis=-1)
             recurrent = h @ self.wh.value
             if self.joined:  # gates on the state joined to itself

@@ -1535,7 +1535,8 @@ def normalise(
 
     Two passes: control flow is flattened first (loops unrolled, branches
     if-converted, the nested calls of their bodies inlined, what nothing reads
-    dropped), then weight ops are recognised on the flat jaxpr, so that an op and
+    dropped; then each `jax.custom_vjp` call is made a `jax.custom_jvp` one,
+    `custom_vjp_as_jvp`), then weight ops are recognised on the flat jaxpr, so that an op and
     what it feeds are seen together wherever they were written (a product computed
     once before a loop of sub-steps and cut into gates inside it, say). Before the
     second pass, a reshape that merges the heads of an element-wise combination of
