@@ -1000,6 +1000,56 @@ def test_a_custom_vjp_whose_backward_rule_is_not_linear_is_refused() -> None:
         etrax.compile_etrace_graph(model, x)
 
 
+class SubSteppedSpiking(LeakyLinear):
+    """`Spiking`'s neuron in 20 sub-steps of a ``fori_loop``, more than the compiler
+    unrolls (`CompilePolicy.unroll_limit`): the loop is kept whole, the spike inside it."""
+
+    def __init__(self, n_in: int, n_out: int, spike: str) -> None:
+        super().__init__(n_in, n_out)
+        self.spike = spike
+
+    def update(self, x: ArrayLike) -> Array:
+        spike, i = SPIKES[self.spike], self.fc(x)
+
+        def sub_step(k: Array, v: Array) -> Array:
+            reset = jax.lax.stop_gradient(spike(v - 1.0))
+            return 0.95 * v + 0.05 * i - 0.1 * reset + 0.02 * spike(v)
+
+        self.h.value = jax.lax.fori_loop(0, 20, sub_step, self.h.value)
+        return self.h.value
+
+
+@pytest.mark.parametrize("spike", ["custom_vjp", "not_linear"])
+def test_a_custom_vjp_surrogate_inside_a_loop_kept_whole(spike: str) -> None:
+    """A custom_vjp spike inside a loop the compiler keeps whole is converted there
+    too: the transition is diagonal (the body keeps positions apart, its
+    `stop_gradient` included: before, a `transition_mixes_positions` warning), so
+    D-RTRL over four steps equals BPTT through the model's own ``update``, and every
+    rule learns as on the custom_jvp twin. One whose backward rule cannot be
+    transposed is refused at compile time with the typed error (before, JAX's
+    "can't apply forward-mode autodiff" at the first step)."""
+    model, x = build(SubSteppedSpiking, 3, 4, spike)
+    if spike == "not_linear":
+        with pytest.raises(etrax.NotSupportedError, match="linear in the cotangent"):
+            etrax.compile_etrace_graph(model, x)
+        return
+    graph = etrax.compile_etrace_graph(model, x)
+    # no warning: the loop's body (`stop_gradient` included) keeps positions apart
+    assert not [r for r in graph.explain() if r.level is not etrax.DiagnosticLevel.INFO]
+    state = etrax.state_of(graph).replace_hidden(
+        {("h",): jnp.array([0.9, 1.1, 0.2, 1.4], dtype=x.dtype)}
+    )
+    xs = jax.random.normal(jax.random.PRNGKey(3), (4, *x.shape))
+    ts = jax.random.normal(jax.random.PRNGKey(4), (4, 4))
+    want = bptt_grads(model, state, xs, ts, _squared)  # diagonal: D-RTRL is exact
+    rule = etrax.DRTRL()
+    got = etrax.online_grad(graph, rule, state, rule.init(graph, state), xs, ts, _squared)
+    for path in want:
+        _tree_close(got.grads[path], want[path])
+    twin, _ = build(SubSteppedSpiking, 3, 4, "custom_jvp")
+    _learns_like(model, graph, x.shape, twin, steps=4, every_rule=True)
+
+
 @jax.custom_vjp
 def _vjp_softsign(v: Array) -> Array:
     return v / (1.0 + jnp.abs(v))

@@ -26,6 +26,7 @@ from .._compat import (
     derivative_rules_key,
     equation_context,
     eval_jaxpr,
+    inner_closed_jaxprs,
     replace_jaxpr,
     struct_of,
 )
@@ -751,17 +752,57 @@ def custom_vjp_as_jvp(closed: ClosedJaxpr) -> ClosedJaxpr:
         for i, eqn in enumerate(closed.jaxpr.eqns)
         if eqn.primitive.name in CUSTOM_VJP and (rule := _forward_rule(eqn)) is not None
     }
-    if not rules:
+    bodies = {
+        i: new
+        for i, eqn in enumerate(closed.jaxpr.eqns)
+        if i not in rules and (new := _with_bodies_converted(eqn)) is not None
+    }
+    if not rules and not bodies:
         return closed
 
     def converted(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
+        invals = [_read(env, a) for a in eqn.invars]
+        if i in bodies:
+            return bind_equation(bodies[i], invals)
         rule = rules.get(i)
         if rule is None:
             return None
         with equation_context(eqn):
-            return rule(*(_read(env, a) for a in eqn.invars))
+            return rule(*invals)
 
     return _retraced(closed, converted)
+
+
+def _with_bodies_converted(eqn: JaxprEqn) -> JaxprEqn | None:
+    """`eqn` with the custom_vjp calls in the jaxprs it holds (the body of a loop, the
+    branches of a ``cond``, that the compiler keeps whole) converted by
+    `custom_vjp_as_jvp`; `None` where nothing changes. The bodies of custom-derivative
+    calls are left as they are: their rules stand for them."""
+    if eqn.primitive.name in CUSTOM_VJP or eqn.primitive.name == "custom_jvp_call":
+        return None
+    params = dict(eqn.params)
+    for name, value in eqn.params.items():
+        if isinstance(value, ClosedJaxpr):
+            params[name] = custom_vjp_as_jvp(value)
+        elif isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
+            new = tuple(custom_vjp_as_jvp(v) for v in value)
+            if any(a is not b for a, b in zip(new, value, strict=True)):
+                params[name] = new
+    if all(params[n] is v for n, v in eqn.params.items()):
+        return None
+    replaced: JaxprEqn = eqn.replace(params=params)
+    return replaced
+
+
+def _nested_equations(jaxpr: Jaxpr) -> Iterable[JaxprEqn]:
+    """The equations of `jaxpr` and of the jaxprs they hold (a loop's body), but not
+    those inside a custom-derivative call, whose rules stand for them."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name in CUSTOM_VJP or eqn.primitive.name == "custom_jvp_call":
+            continue
+        for inner in inner_closed_jaxprs(eqn):
+            yield from _nested_equations(inner.jaxpr)
 
 
 def refuse_custom_vjp(program: Program, what: str) -> None:
@@ -772,7 +813,7 @@ def refuse_custom_vjp(program: Program, what: str) -> None:
     from .._compat import equation_location
     from .._errors import NotSupportedError
 
-    for eqn in program.closed.jaxpr.eqns:
+    for eqn in _nested_equations(program.closed.jaxpr):
         if eqn.primitive.name in CUSTOM_VJP:
             raise NotSupportedError(
                 f"The {what} calls a jax.custom_vjp function at {equation_location(eqn)} "

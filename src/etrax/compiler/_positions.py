@@ -129,6 +129,7 @@ ELEMENTWISE = frozenset(
         "sinh",
         "sqrt",
         "square",
+        "stop_gradient",
         "sub",
         "tan",
         "tanh",
