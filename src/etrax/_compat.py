@@ -39,8 +39,10 @@ __all__ = [
     "custom_jvp_rules",
     "define_primitive",
     "derivative_rules_key",
+    "differentiable_positions",
     "equation_context",
     "equation_location",
+    "equation_vjp",
     "eval_jaxpr",
     "exclude_from_locations",
     "inner_closed_jaxprs",
@@ -518,6 +520,36 @@ def derivative_rules_key(jaxpr: Any) -> tuple[Any, ...]:
     return tuple(found)
 
 
+def differentiable_positions(eqn: Any) -> tuple[list[int], list[int]]:
+    """The positions of `eqn`'s inputs and outputs of an inexact dtype: those a
+    derivative of the equation has."""
+    wrt = [i for i, v in enumerate(eqn.invars) if jnp.issubdtype(aval_of(v).dtype, jnp.inexact)]
+    outs = [i for i, v in enumerate(eqn.outvars) if jnp.issubdtype(aval_of(v).dtype, jnp.inexact)]
+    return wrt, outs
+
+
+def equation_vjp(
+    eqn: Any,
+    args: Sequence[Any],
+    bind: Callable[[Any, Sequence[Any]], list[Any]] = bind_equation,
+) -> tuple[list[Any], Callable[..., Any]]:
+    """`jax.vjp` of `eqn` re-bound (by `bind`) at `args`, along its inexact inputs and
+    of its inexact outputs (`differentiable_positions`): those outputs and the
+    pullback (cotangents of the outputs ↦ a tuple of the inputs' cotangents). A
+    ``custom_vjp`` call's pullback is the user's backward rule."""
+    wrt, outs = differentiable_positions(eqn)
+
+    def differentiable(*diff: Any) -> list[Any]:
+        full = list(args)
+        for i, d in zip(wrt, diff, strict=True):
+            full[i] = d
+        result = bind(eqn, full)
+        return [result[k] for k in outs]
+
+    values, pullback = jax.vjp(differentiable, *(args[i] for i in wrt))
+    return values, pullback
+
+
 def _rule_key(eqn: Any) -> tuple[Any, ...]:
     if eqn.primitive.name == "custom_jvp_call":
         try:  # the rule's own jaxpr, traced once by JAX's memo (cheaper than a pullback)
@@ -528,19 +560,10 @@ def _rule_key(eqn: Any) -> tuple[Any, ...]:
         except Exception:  # another JAX's internals: the pullback below
             pass
     avals = [aval_of(v) for v in eqn.invars]
-    wrt = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
-    outs = [i for i, v in enumerate(eqn.outvars) if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+    _, outs = differentiable_positions(eqn)
 
     def pullback(args: list[Any], cotangents: list[Any]) -> Any:
-        def f(*diff: Any) -> list[Any]:
-            full = list(args)
-            for i, d in zip(wrt, diff, strict=True):
-                full[i] = d
-            result = _bind(eqn, full)
-            return [result[i] for i in outs]
-
-        _, vjp = jax.vjp(f, *(args[i] for i in wrt))
-        return vjp(cotangents)
+        return equation_vjp(eqn, args, _bind)[1](cotangents)
 
     structs = [shape_struct(a.shape, a.dtype) for a in avals]
     cts = [shape_struct(eqn.outvars[i].aval.shape, eqn.outvars[i].aval.dtype) for i in outs]

@@ -24,7 +24,9 @@ from .._compat import (
     bind_equation,
     call_body,
     derivative_rules_key,
+    differentiable_positions,
     equation_context,
+    equation_vjp,
     eval_jaxpr,
     inner_closed_jaxprs,
     replace_jaxpr,
@@ -672,10 +674,6 @@ def forward_closure(
 CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
-def _inexact(aval: Any) -> bool:
-    return bool(jnp.issubdtype(aval.dtype, jnp.inexact))
-
-
 def _forward_rule(eqn: JaxprEqn) -> Callable[..., list[Any]] | None:
     """The function of a ``custom_vjp_call`` equation as a `jax.custom_jvp` function:
     the call's own body, with the JVP ``t ↦ J t`` that is the transpose of the user's
@@ -689,9 +687,7 @@ def _forward_rule(eqn: JaxprEqn) -> Callable[..., list[Any]] | None:
     body = eqn.params.get("call_jaxpr")
     if not isinstance(body, ClosedJaxpr) or len(body.jaxpr.invars) != len(eqn.invars):
         return None
-    avals = [aval_of(v) for v in eqn.invars]
-    wrt = [i for i, a in enumerate(avals) if _inexact(a)]
-    outs = [k for k, v in enumerate(eqn.outvars) if _inexact(v.aval)]
+    wrt, outs = differentiable_positions(eqn)
     if not wrt or not outs:
         return None
 
@@ -699,14 +695,7 @@ def _forward_rule(eqn: JaxprEqn) -> Callable[..., list[Any]] | None:
         return eval_jaxpr(body.jaxpr, body.consts, *args)
 
     def pushforward(primals: list[Any], tangents: list[Any]) -> tuple[list[Any], list[Any]]:
-        def differentiable(*diff: Any) -> list[Any]:
-            full = list(primals)
-            for i, d in zip(wrt, diff, strict=True):
-                full[i] = d
-            result = bind_equation(eqn, full)  # the user's rules, through jax.vjp
-            return [result[k] for k in outs]
-
-        floats, pullback = jax.vjp(differentiable, *(primals[i] for i in wrt))
+        floats, pullback = equation_vjp(eqn, primals)  # the user's backward rule
         structs = [struct_of(f) for f in floats]
         (pushed,) = jax.linear_transpose(pullback, structs)(tuple(tangents))
         return primal(*primals), list(pushed)
