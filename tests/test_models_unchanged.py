@@ -6,9 +6,10 @@ Oracles: gradients through brainstate's own jaxpr of ``model.update``
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import brainevent
 import brainstate
 import brainunit as u
 import jax
@@ -2102,3 +2103,113 @@ def test_a_scalar_bias_after_a_fused_gate_product_is_the_ops_bias() -> None:
     for algo in (etrax.DRTRL(), etrax.PPProp(0.9), etrax.EProp()):
         _close(online(algo, 1), exact_1)
     _close(online(etrax.DRTRL(chunk_steps=1), T), bptt_grads(model, state, xs, ys, sq))
+
+
+# ----- brainevent's event-driven layers ------------------------------------------------
+
+
+@pytest.fixture
+def jax_event_kernels() -> Iterator[None]:
+    """brainevent's pure-JAX kernels while the oracle runs the model's own ``update``
+    (its default CPU kernels need numba, which the test environment leaves out); the
+    etrax program holds none of them."""
+    before = brainevent.config.get_backend("cpu")
+    brainevent.config.set_backend("cpu", "jax_raw")
+    yield
+    brainevent.config.set_backend("cpu", before)
+
+
+@jax.custom_jvp
+def _fire(v: Array) -> Array:
+    return (v > 0).astype(v.dtype)
+
+
+@_fire.defjvp
+def _fire_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    (v,), (dv,) = primals, tangents
+    return _fire(v), dv / (1.0 + jnp.abs(v)) ** 2
+
+
+class EventNeurons(brainstate.nn.Module):
+    """Leaky spiking units driven by input spikes through an event layer (and, with
+    `rec`, by their own previous spikes through a second one), with a readout of
+    their potentials."""
+
+    def __init__(self, inp: brainstate.nn.Module, rec: brainstate.nn.Module | None = None) -> None:
+        super().__init__()
+        self.inp = inp
+        self.rec = rec
+        self.out = brainstate.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (4,) if batch_size is None else (batch_size, 4)
+        self.v = brainstate.HiddenState(jnp.full(shape, 0.3))
+        self.s = brainstate.HiddenState(jnp.zeros(shape))
+
+    def update(self, x: ArrayLike) -> Array:
+        current = self.inp(x)
+        if self.rec is not None:
+            current = current + self.rec(self.s.value)
+        v = 0.8 * self.v.value + current
+        s = _fire(v - 0.5)
+        self.v.value = v - 0.5 * s
+        self.s.value = s
+        y: Array = self.out(self.v.value)
+        return y
+
+
+def _event_layer(kind: str, n_in: int, seed: int) -> brainstate.nn.Module:
+    key = jax.random.key(seed)
+    if kind == "EventLinear":
+        return brainstate.nn.EventLinear(n_in, 4, 0.5 * jax.random.normal(key, (n_in, 4)))
+    if kind == "EventFixedProb":  # two connections per input, a weight each
+        weights = 0.5 * jax.random.normal(key, (n_in, 2))
+        return brainstate.nn.EventFixedProb(n_in, 4, 2, weights, seed=seed)
+    return brainstate.nn.EventFixedProb(n_in, 4, 2, 0.4, seed=seed)  # one weight for all
+
+
+EVENT_LAYERS = ("EventLinear", "EventFixedProb", "EventFixedProb-homogeneous")
+
+
+# brainstate 0.5.4's event layers use brainevent 0.2's deprecated names (EventArray, ...)
+@pytest.mark.filterwarnings("ignore:brainevent.* is deprecated:DeprecationWarning")
+@pytest.mark.usefixtures("jax_event_kernels")
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+@pytest.mark.parametrize("kind", EVENT_LAYERS)
+def test_brainevent_event_layers_are_traced(kind: str, batch: int | None) -> None:
+    """brainstate's event layers (`EventLinear`, `EventFixedProb`, whose products are
+    brainevent primitives) are traced like the products they stand for: the weight is
+    recognised (the fixed connections' dense matrix computed from their weights), and
+    no warning. Fed by input spikes the model is diagonal, so D-RTRL over the sequence
+    equals BPTT through the model's own ``update``; every rule equals it at T = 1.
+    With recurrent spikes through a second event layer, both weights are traced and
+    the transition keeps positions apart (before, the primitive was taken as mixing
+    them: the whole Jacobian as ``D``, and the weight learnt only its instantaneous
+    gradient). Negative control: with recognition off, the weight is a plain use."""
+    x_shape = (3,) if batch is None else (batch, 3)
+    y_shape = (2,) if batch is None else (batch, 2)
+    xs, ys = _sequence(x_shape, y_shape, T, seed=11)
+    xs = (xs > 0.3).astype(xs.dtype)  # input spikes
+    for rec in (False, True):
+        model = EventNeurons(_event_layer(kind, 3, 1), _event_layer(kind, 4, 2) if rec else None)
+        brainstate.nn.init_all_states(model, batch_size=batch)
+        graph = etrax.compile_etrace_graph(model, xs[0])
+        weights = {("inp", "weight")} | ({("rec", "weight")} if rec else set())
+        recognised = {r.weight_path for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED)}
+        assert weights <= recognised
+        rules = graph.weight_rules()
+        assert all(rules[p].rule is etrax.WeightRule.TRACED for p in weights), rules
+        warned = [r for r in graph.diagnostics if r.level is not etrax.DiagnosticLevel.INFO]
+        assert not warned, warned
+        state = etrax.state_of(graph)
+        exact_1 = bptt_grads(model, state, xs[:1], ys[:1], sq)
+        for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+            _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact_1)
+        if not rec:
+            _close(
+                dict(_online(graph, etrax.DRTRL(), xs, ys)), bptt_grads(model, state, xs, ys, sq)
+            )
+    off = etrax.compile_etrace_graph(
+        model, xs[0], policy=etrax.CompilePolicy(recognise_weight_ops=False)
+    )
+    assert ("inp", "weight") in {r.weight_path for r in off.explain(kind=K.WEIGHT_PLAIN_USE)}

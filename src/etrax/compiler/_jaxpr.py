@@ -40,6 +40,7 @@ __all__ = [
     "custom_vjp_as_jvp",
     "drop_dead_equations",
     "eval_equations",
+    "event_products_as_dense",
     "fold_cuts_of_joins",
     "inline_calls",
     "merge_heads_first",
@@ -815,3 +816,117 @@ def refuse_custom_vjp(program: Program, what: str) -> None:
                 "neurons do), or keep the function off the paths from the previous hidden "
                 "values and the weight operations to the new ones."
             )
+
+
+# ----- brainevent's event-driven products as the products they stand for --------------
+
+
+def _spike_values(spikes: Any, dtype: Any) -> Any:
+    """A binary dense product's spikes as numbers: booleans as 0 / 1, floats as they
+    are (what brainevent's pure-JAX kernel multiplies, and what its rules
+    differentiate: the tangent and cotangent rules of both operands are those of
+    the plain product)."""
+    return spikes.astype(dtype) if spikes.dtype == jnp.bool_ else spikes
+
+
+def _spike_activity(spikes: Any, dtype: Any) -> Any:
+    """A fixed-connection binary product's spikes as events: booleans as 0 / 1, a float
+    as 1 where it is above zero (the product's value on every backend), with the
+    float's own tangent (its rule for the spikes is the plain product's)."""
+    if spikes.dtype == jnp.bool_:
+        return spikes.astype(dtype)
+    events = (spikes > 0).astype(dtype)
+    return events + (spikes - jax.lax.stop_gradient(spikes))
+
+
+def _connections(weights: Any, indices: Any, shape: tuple[int, int]) -> Any:
+    """The dense ``(pre, post)`` matrix of a fixed number of connections per row:
+    ``indices[i, k]`` is row ``i``'s ``k``-th column, ``weights`` its value (or one
+    value for all, shape ``(1,)``); repeated connections add up."""
+    rows = jnp.broadcast_to(jnp.arange(indices.shape[0])[:, None], indices.shape)
+    values = jnp.broadcast_to(weights, indices.shape)
+    return jnp.zeros(shape, weights.dtype).at[rows, indices].add(values)
+
+
+def _dense_mv(params: Mapping[str, Any], weights: Any, spikes: Any) -> Any:
+    s = _spike_values(spikes, weights.dtype)
+    return s @ weights if params["transpose"] else weights @ s
+
+
+def _dense_mm(params: Mapping[str, Any], weights: Any, spikes: Any) -> Any:
+    # brainevent holds the batch on the spikes' last axis; the product is written with
+    # it first, as ``x @ W`` (the transposes around it cancel the caller's own)
+    s = _spike_values(spikes, weights.dtype).T
+    return (s @ weights if params["transpose"] else s @ weights.T).T
+
+
+def _fixed_mv(params: Mapping[str, Any], weights: Any, indices: Any, spikes: Any) -> Any:
+    matrix = _connections(weights, indices, tuple(params["shape"]))
+    s = _spike_activity(spikes, weights.dtype)
+    return s @ matrix if params["transpose"] else matrix @ s
+
+
+def _fixed_mm(params: Mapping[str, Any], weights: Any, indices: Any, spikes: Any) -> Any:
+    matrix = _connections(weights, indices, tuple(params["shape"]))
+    s = _spike_activity(spikes, weights.dtype).T  # the batch first, as in `_dense_mm`
+    return (s @ matrix if params["transpose"] else s @ matrix.T).T
+
+
+EVENT_PRODUCTS: Final[Mapping[str, Callable[..., Any]]] = {
+    "binary_densemv": _dense_mv,  # brainstate.nn.EventLinear, one sample
+    "binary_densemm": _dense_mm,  # ... a batch
+    "ell_binary_matvec": _fixed_mv,  # brainstate.nn.EventFixedProb, one sample
+    "binary_fcnmm": _fixed_mm,  # ... a batch
+}
+"""brainevent 0.2's event-driven products (their primitives' names) and what each
+stands for in plain JAX, ``rule(params, *operands) -> value``: a product of the
+spikes and a dense weight, or of the spikes and the dense matrix of a fixed number of
+connections per row built from its weights (`_connections`). The weights operand
+comes first and the spikes last, as brainevent binds them."""
+
+
+def _event_product_rule(eqn: JaxprEqn) -> Callable[..., Any] | None:
+    """`eqn`'s plain-JAX rule, for an event-driven product `EVENT_PRODUCTS` names whose
+    operands and parameters are as brainevent 0.2 binds them; `None` otherwise."""
+    rule = EVENT_PRODUCTS.get(eqn.primitive.name)
+    if rule is None or len(eqn.outvars) != 1 or "transpose" not in eqn.params:
+        return None
+    fixed = rule in (_fixed_mv, _fixed_mm)
+    if len(eqn.invars) != (3 if fixed else 2) or (fixed and "shape" not in eqn.params):
+        return None
+    try:  # a dry run on the operands' shapes: a future release's layout falls through
+        out = jax.eval_shape(lambda *a: rule(eqn.params, *a), *(struct_of(v) for v in eqn.invars))
+    except (TypeError, ValueError, IndexError):
+        return None
+    want = aval_of(eqn.outvars[0])
+    if out.shape != want.shape or out.dtype != want.dtype:
+        return None
+    return rule
+
+
+def event_products_as_dense(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """`closed` with each top-level event-driven product of brainevent
+    (`EVENT_PRODUCTS`: ``brainstate.nn.EventLinear``'s and ``EventFixedProb``'s) written
+    as the plain product it stands for, so that weight recognition sees a product of
+    data and a weight value (the dense matrix of fixed connections is computed from
+    their weights) and traces it. The value is the product's own for spikes that are
+    0 or 1 (its intended input; a dense product multiplies float spikes by their
+    values, a fixed-connection one counts those above zero, as brainevent's kernels
+    do), and the derivatives are its rules'. Returns `closed` itself when there is
+    none."""
+    rules = {
+        i: rule
+        for i, eqn in enumerate(closed.jaxpr.eqns)
+        if (rule := _event_product_rule(eqn)) is not None
+    }
+    if not rules:
+        return closed
+
+    def converted(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
+        rule = rules.get(i)
+        if rule is None:
+            return None
+        with equation_context(eqn):
+            return [rule(eqn.params, *(_read(env, a) for a in eqn.invars))]
+
+    return _retraced(closed, converted)
