@@ -27,7 +27,9 @@ import atexit
 import functools
 import shutil
 import tempfile
+from collections.abc import Iterator
 
+import brainevent
 import brainstate
 import jax
 import jax.numpy as jnp
@@ -88,3 +90,14 @@ once: the longest jobs go first and the rest fill in around them."""
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: order kept
+
+
+@pytest.fixture
+def jax_event_kernels() -> Iterator[None]:
+    """brainevent's pure-JAX kernels while a test runs brainevent's products itself (an
+    oracle through a model's own ``update``): its default CPU kernels need numba, which
+    the test environment leaves out. etrax's programs hold none of them."""
+    before = brainevent.config.get_backend("cpu")
+    brainevent.config.set_backend("cpu", "jax_raw")
+    yield
+    brainevent.config.set_backend("cpu", before)

@@ -1,5 +1,6 @@
 """Graph structure on the model catalogue (groups, relations, exclusions, report)."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -410,3 +411,93 @@ def test_a_custom_vjp_call_becomes_a_custom_jvp_call_of_its_transposed_rule() ->
     assert custom_vjp_as_jvp(kept) is kept
     plain = jax.make_jaxpr(jnp.tanh)(x)
     assert custom_vjp_as_jvp(plain) is plain
+
+
+_PRE, _POST, _CONN, _BATCH = 5, 4, 2, 3
+_INDICES = np.array([[0, 3], [1, 1], [2, 0], [3, 2], [0, 1]], np.int32)  # a repeat in row 1
+
+
+def _event_call(name: str, transpose: bool) -> tuple[Callable[..., Any], list[Array]]:
+    """A brainevent product (`EVENT_PRODUCTS`) as ``f(weights, spikes, indices)`` and
+    random weights and 0 / 1 spikes for it, in brainevent's layouts."""
+    import brainevent
+
+    key1, key2 = jax.random.split(jax.random.key(4))
+    n_in = _PRE if transpose else _POST  # the spikes' length, fixed connections
+    if name.startswith("binary_dense"):
+        shape = (_PRE, _POST) if transpose else (_POST, _PRE)
+        weights = jax.random.normal(key1, shape)
+        n_in = _PRE
+    else:
+        weights = jax.random.normal(key1, (_PRE, _CONN))
+    spikes_shape = (n_in,) if name.endswith(("mv", "matvec")) else (n_in, _BATCH)
+    spikes = (jax.random.uniform(key2, spikes_shape) > 0.4).astype(jnp.float64)
+    fn: Callable[..., Any]
+    if name == "binary_densemv":
+        fn = lambda w, s, i: brainevent.binary_densemv(w, s, transpose=transpose)  # noqa: E731
+    elif name == "binary_densemm":
+        fn = lambda w, s, i: brainevent.binary_densemm(w, s, transpose=transpose)  # noqa: E731
+    elif name == "ell_binary_matvec":
+        fn = lambda w, s, i: brainevent.binary_fcnmv(  # noqa: E731
+            w, i, s, shape=(_PRE, _POST), transpose=transpose
+        )
+    else:
+        fn = lambda w, s, i: brainevent.binary_fcnmm(  # noqa: E731
+            w, i, s, shape=(_PRE, _POST), transpose=transpose
+        )
+    return fn, [weights, spikes]
+
+
+@pytest.mark.usefixtures("jax_event_kernels")
+@pytest.mark.parametrize("transpose", [True, False], ids=["transpose", "plain"])
+@pytest.mark.parametrize(
+    "name", ["binary_densemv", "binary_densemm", "ell_binary_matvec", "binary_fcnmm"]
+)
+def test_brainevent_products_become_the_products_they_stand_for(name: str, transpose: bool) -> None:
+    """`event_products_as_ops`: each brainevent event-driven product in a jaxpr is
+    replaced by the product it stands for, with the same value on 0 / 1 spikes (also
+    boolean ones) and the same forward-mode derivatives in the weights and the spikes
+    as brainevent's own rules (its pure-JAX kernels are the oracle). A fixed-connection
+    product becomes an `etrax.ops.sparse_matmul` when its indices are constants of
+    the jaxpr, and a dense product when they are an input; a jaxpr without such a
+    product is returned as it is."""
+    from etrax._compat import eval_jaxpr
+    from etrax.compiler._jaxpr import event_products_as_ops, inline_calls
+
+    fn, (weights, spikes) = _event_call(name, transpose)
+    fixed = not name.startswith("binary_dense")
+    indices = jnp.asarray(_INDICES)
+    for constant in (True, False):
+        if constant:  # the indices a constant of the jaxpr, as brainstate's layers hold them
+
+            def f(w: Array, s: Array, i: Array) -> Array:
+                out: Array = fn(w, s, indices)
+                return out
+
+        else:
+            f = fn
+        closed = inline_calls(jax.make_jaxpr(f)(weights, spikes, indices))
+        assert name in [e.primitive.name for e in closed.jaxpr.eqns]
+        converted = event_products_as_ops(closed)
+        names = [e.primitive.name for e in converted.jaxpr.eqns]
+        assert name not in names, names
+        assert ("etp_sparse_matmul" in names) is (fixed and constant), names
+
+        def run(w: Array, s: Array, c: Any = converted) -> Array:
+            out: Array = eval_jaxpr(c.jaxpr, c.consts, w, s, indices)[0]
+            return out
+
+        want = f(weights, spikes, indices)
+        np.testing.assert_allclose(run(weights, spikes), want, rtol=1e-12, atol=1e-12)
+        dw, ds = jax.random.normal(jax.random.key(5), weights.shape), 0.3 * spikes + 0.1
+        for tangents in ((dw, jnp.zeros_like(spikes)), (jnp.zeros_like(weights), ds)):
+            _, got = jax.jvp(run, (weights, spikes), tangents)
+            _, ref = jax.jvp(functools.partial(f, i=indices), (weights, spikes), tangents)
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+        boolean = spikes.astype(bool)
+        closed_bool = inline_calls(jax.make_jaxpr(f)(weights, boolean, indices))
+        conv_bool = event_products_as_ops(closed_bool)
+        got_bool = eval_jaxpr(conv_bool.jaxpr, conv_bool.consts, weights, boolean, indices)[0]
+        np.testing.assert_allclose(got_bool, want, rtol=1e-12, atol=1e-12)
+    plain = jax.make_jaxpr(lambda w, s: s @ w)(jnp.ones((3, 2)), jnp.ones(3))
+    assert event_products_as_ops(plain) is plain

@@ -6,10 +6,9 @@ Oracles: gradients through brainstate's own jaxpr of ``model.update``
 """
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import brainevent
 import brainstate
 import brainunit as u
 import jax
@@ -2108,17 +2107,6 @@ def test_a_scalar_bias_after_a_fused_gate_product_is_the_ops_bias() -> None:
 # ----- brainevent's event-driven layers ------------------------------------------------
 
 
-@pytest.fixture
-def jax_event_kernels() -> Iterator[None]:
-    """brainevent's pure-JAX kernels while the oracle runs the model's own ``update``
-    (its default CPU kernels need numba, which the test environment leaves out); the
-    etrax program holds none of them."""
-    before = brainevent.config.get_backend("cpu")
-    brainevent.config.set_backend("cpu", "jax_raw")
-    yield
-    brainevent.config.set_backend("cpu", before)
-
-
 @jax.custom_jvp
 def _fire(v: Array) -> Array:
     return (v > 0).astype(v.dtype)
@@ -2195,8 +2183,12 @@ def test_brainevent_event_layers_are_traced(kind: str, batch: int | None) -> Non
         brainstate.nn.init_all_states(model, batch_size=batch)
         graph = etrax.compile_etrace_graph(model, xs[0])
         weights = {("inp", "weight")} | ({("rec", "weight")} if rec else set())
-        recognised = {r.weight_path for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED)}
-        assert weights <= recognised
+        if kind == "EventLinear":  # a plain product with the weight, then recognised
+            recognised = {r.weight_path for r in graph.explain(kind=K.WEIGHT_OP_RECOGNISED)}
+            assert weights <= recognised
+        else:  # a sparse product over the connections: one trace value per connection
+            ops = {r.weight_paths[0]: r.primitive for r in graph.hidden_param_op_relations}
+            assert all(ops[p].name == "etp_sparse_matmul" for p in weights), ops
         rules = graph.weight_rules()
         assert all(rules[p].rule is etrax.WeightRule.TRACED for p in weights), rules
         warned = [r for r in graph.diagnostics if r.level is not etrax.DiagnosticLevel.INFO]

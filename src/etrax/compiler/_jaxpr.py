@@ -11,6 +11,7 @@ from typing import Any, Final, final
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._compat import (
     ClosedJaxpr,
@@ -32,7 +33,9 @@ from .._compat import (
     replace_jaxpr,
     struct_of,
 )
+from .._errors import OpArgumentError
 from .._typing import VarId
+from ..ops import SparsePattern, sparse_matmul
 
 __all__ = [
     "Program",
@@ -40,7 +43,7 @@ __all__ = [
     "custom_vjp_as_jvp",
     "drop_dead_equations",
     "eval_equations",
-    "event_products_as_dense",
+    "event_products_as_ops",
     "fold_cuts_of_joins",
     "inline_calls",
     "merge_heads_first",
@@ -848,9 +851,42 @@ def _connections(weights: Any, indices: Any, shape: tuple[int, int]) -> Any:
     return jnp.zeros(shape, weights.dtype).at[rows, indices].add(values)
 
 
+def _fixed_pattern(indices: Any, shape: tuple[int, int], transpose: bool) -> SparsePattern | None:
+    """The stored connections of a fixed-connection product as an `etrax.ops` pattern,
+    laid out for ``spikes @ S`` (``(pre, post)``, or ``(post, pre)`` for the gathering
+    ``transpose=False`` form); `None` when the indices are not known at compile time
+    (a state's) or fall outside the shape."""
+    if isinstance(indices, jax.core.Tracer):
+        return None
+    columns = np.asarray(indices, dtype=np.int64)
+    rows = np.repeat(np.arange(columns.shape[0]), columns.shape[1])
+    n_pre, n_post = shape
+    try:
+        if transpose:
+            return SparsePattern(rows, columns.reshape(-1), (n_pre, n_post))
+        return SparsePattern(columns.reshape(-1), rows, (n_post, n_pre))
+    except OpArgumentError:
+        return None
+
+
+def _fixed_product(params: Mapping[str, Any], weights: Any, indices: Any, spikes: Any) -> Any:
+    """``spikes @ S`` for the connections' matrix ``S`` (``spikes``: ``(in,)`` or
+    ``(batch, in)``): an `etrax.ops.sparse_matmul` over the stored connections when
+    their indices are known at compile time, so that D-RTRL traces only those, else
+    a product with the dense matrix."""
+    shape, transpose = tuple(params["shape"]), bool(params["transpose"])
+    s = _spike_activity(spikes, weights.dtype)
+    pattern = _fixed_pattern(indices, shape, transpose)
+    if pattern is not None:
+        data = jnp.broadcast_to(weights, indices.shape).reshape(-1)
+        return sparse_matmul(s, data, pattern)
+    matrix = _connections(weights, indices, shape)
+    return s @ matrix if transpose else s @ matrix.T
+
+
 def _dense_mv(params: Mapping[str, Any], weights: Any, spikes: Any) -> Any:
     s = _spike_values(spikes, weights.dtype)
-    return s @ weights if params["transpose"] else weights @ s
+    return s @ weights if params["transpose"] else s @ weights.T
 
 
 def _dense_mm(params: Mapping[str, Any], weights: Any, spikes: Any) -> Any:
@@ -861,15 +897,12 @@ def _dense_mm(params: Mapping[str, Any], weights: Any, spikes: Any) -> Any:
 
 
 def _fixed_mv(params: Mapping[str, Any], weights: Any, indices: Any, spikes: Any) -> Any:
-    matrix = _connections(weights, indices, tuple(params["shape"]))
-    s = _spike_activity(spikes, weights.dtype)
-    return s @ matrix if params["transpose"] else matrix @ s
+    return _fixed_product(params, weights, indices, spikes)
 
 
 def _fixed_mm(params: Mapping[str, Any], weights: Any, indices: Any, spikes: Any) -> Any:
-    matrix = _connections(weights, indices, tuple(params["shape"]))
-    s = _spike_activity(spikes, weights.dtype).T  # the batch first, as in `_dense_mm`
-    return (s @ matrix if params["transpose"] else s @ matrix.T).T
+    # the batch on the spikes' last axis, as in `_dense_mm`
+    return _fixed_product(params, weights, indices, spikes.T).T
 
 
 EVENT_PRODUCTS: Final[Mapping[str, Callable[..., Any]]] = {
@@ -879,9 +912,9 @@ EVENT_PRODUCTS: Final[Mapping[str, Callable[..., Any]]] = {
     "binary_fcnmm": _fixed_mm,  # ... a batch
 }
 """brainevent 0.2's event-driven products (their primitives' names) and what each
-stands for in plain JAX, ``rule(params, *operands) -> value``: a product of the
-spikes and a dense weight, or of the spikes and the dense matrix of a fixed number of
-connections per row built from its weights (`_connections`). The weights operand
+stands for, ``rule(params, *operands) -> value``: a product of the spikes and a
+dense weight, or of the spikes and the sparse matrix of a fixed number of connections
+per row (an `etrax.ops.sparse_matmul` over them, `_fixed_product`). The weights operand
 comes first and the spikes last, as brainevent binds them."""
 
 
@@ -904,16 +937,17 @@ def _event_product_rule(eqn: JaxprEqn) -> Callable[..., Any] | None:
     return rule
 
 
-def event_products_as_dense(closed: ClosedJaxpr) -> ClosedJaxpr:
+def event_products_as_ops(closed: ClosedJaxpr) -> ClosedJaxpr:
     """`closed` with each top-level event-driven product of brainevent
     (`EVENT_PRODUCTS`: ``brainstate.nn.EventLinear``'s and ``EventFixedProb``'s) written
-    as the plain product it stands for, so that weight recognition sees a product of
-    data and a weight value (the dense matrix of fixed connections is computed from
-    their weights) and traces it. The value is the product's own for spikes that are
-    0 or 1 (its intended input; a dense product multiplies float spikes by their
-    values, a fixed-connection one counts those above zero, as brainevent's kernels
-    do), and the derivatives are its rules'. Returns `closed` itself when there is
-    none."""
+    as the product it stands for: a plain one with a dense weight, which weight
+    recognition then traces, or an `etrax.ops.sparse_matmul` over fixed connections
+    (whose indices are constants of the step; a dense product with the matrix built
+    from their weights where they are not). The value is the product's own for spikes
+    that are 0 or 1 (its intended input; a dense product multiplies float spikes by
+    their values, a fixed-connection one counts those above zero, as brainevent's
+    kernels do), and the derivatives are its rules'. Returns `closed` itself when
+    there is none."""
     rules = {
         i: rule
         for i, eqn in enumerate(closed.jaxpr.eqns)

@@ -77,7 +77,7 @@ from ._diagnostics import CompilationRecord, DiagnosticKind, DiagnosticLevel, re
 from ._jaxpr import (
     custom_vjp_as_jvp,
     drop_dead_equations,
-    event_products_as_dense,
+    event_products_as_ops,
     fold_cuts_of_joins,
     inline_calls,
     merge_heads_first,
@@ -1572,7 +1572,7 @@ def normalise(
     # element-wise call into parts by its rules' jaxprs
     closed = custom_vjp_as_jvp(closed)
     if policy.recognise_weight_ops:  # brainevent's products as the products they are
-        closed = event_products_as_dense(closed)
+        closed = event_products_as_ops(closed)
     if policy.recognise_weight_ops:  # per-head products merged into a flat state
         closed = merge_heads_first(closed, ELEMENTWISE, _is_product)
         split = split_products_read_head_by_head(closed)  # gates stacked on a leading axis
