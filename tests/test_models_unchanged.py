@@ -2173,7 +2173,8 @@ def test_brainevent_event_layers_are_traced(kind: str, batch: int | None) -> Non
     With recurrent spikes through a second event layer, both weights are traced and
     the transition keeps positions apart (before, the primitive was taken as mixing
     them: the whole Jacobian as ``D``, and the weight learnt only its instantaneous
-    gradient). Negative control: with recognition off, the weight is a plain use."""
+    gradient). The relations name the model's own lines. Negative control: with
+    recognition off, the weight is a plain use."""
     x_shape = (3,) if batch is None else (batch, 3)
     y_shape = (2,) if batch is None else (batch, 2)
     xs, ys = _sequence(x_shape, y_shape, T, seed=11)
@@ -2191,6 +2192,9 @@ def test_brainevent_event_layers_are_traced(kind: str, batch: int | None) -> Non
             assert all(ops[p].name == "etp_sparse_matmul" for p in weights), ops
         rules = graph.weight_rules()
         assert all(rules[p].rule is etrax.WeightRule.TRACED for p in weights), rules
+        # the user's line, not brainevent's (the product is bound inside its own jit)
+        locations = [r.location for r in graph.hidden_param_op_relations]
+        assert all(__file__ in loc for loc in locations), locations
         warned = [r for r in graph.diagnostics if r.level is not etrax.DiagnosticLevel.INFO]
         assert not warned, warned
         state = etrax.state_of(graph)

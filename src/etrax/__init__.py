@@ -155,13 +155,14 @@ __version__ = "0.1.0"
 _here = _os.path.dirname(__file__)
 
 
-def _unit_library_dirs() -> list[str]:
-    """brainunit (and saiunit, which newer brainunit re-exports) wrap jax.numpy; their
-    frames hide the user's line in diagnostics. Either may be absent."""
+def _wrapper_library_dirs() -> list[str]:
+    """brainunit (and saiunit, which newer brainunit re-exports) wrap jax.numpy, and
+    brainevent binds the products of brainstate's event layers; their frames hide the
+    user's line in diagnostics. Any may be absent."""
     import importlib.util
 
     dirs = []
-    for name in ("brainunit", "saiunit"):
+    for name in ("brainunit", "saiunit", "brainevent"):
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin is not None:
             dirs.append(_os.path.dirname(spec.origin) + _os.sep)
@@ -182,7 +183,7 @@ _exclude_from_locations(
             _equinox.__file__,
         )
     ),
-    *_unit_library_dirs(),
+    *_wrapper_library_dirs(),
 )
 
 __all__ = [

@@ -45,6 +45,7 @@ __all__ = [
     "equation_vjp",
     "eval_jaxpr",
     "exclude_from_locations",
+    "has_user_frame",
     "inner_closed_jaxprs",
     "is_tracer",
     "match_varying",
@@ -55,6 +56,7 @@ __all__ = [
     "struct_of",
     "vary_like",
     "vary_tree",
+    "with_traceback_of",
 ]
 
 Primitive = jex.Primitive
@@ -617,6 +619,28 @@ def equation_context(eqn: Any) -> Any:
         return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
     except Exception:  # pragma: no cover - depends on the JAX version
         return contextlib.nullcontext()
+
+
+def has_user_frame(eqn: Any) -> bool:
+    """Whether `eqn`'s traceback holds a frame outside JAX and the libraries hidden
+    from locations (`exclude_from_locations`): not so for an equation traced inside a
+    library's own `jax.jit` (brainevent's products), whose traceback starts in the
+    jitted function."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.user_frame(eqn.source_info.traceback) is not None
+    except Exception:  # pragma: no cover - depends on the JAX version
+        return True
+
+
+def with_traceback_of(eqn: Any, site: Any) -> Any:
+    """`eqn` located at `site` (another equation's source info: the call it is inlined
+    from), with its own name stack."""
+    try:
+        return eqn.replace(source_info=eqn.source_info.replace(traceback=site.traceback))
+    except Exception:  # pragma: no cover - depends on the JAX version
+        return eqn
 
 
 def equation_location(eqn: Any) -> str:

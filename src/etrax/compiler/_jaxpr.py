@@ -29,9 +29,11 @@ from .._compat import (
     equation_context,
     equation_vjp,
     eval_jaxpr,
+    has_user_frame,
     inner_closed_jaxprs,
     replace_jaxpr,
     struct_of,
+    with_traceback_of,
 )
 from .._errors import OpArgumentError
 from .._typing import VarId
@@ -197,7 +199,13 @@ def _read(env: dict[Var, Any], atom: Any) -> Any:
     return atom.val if isinstance(atom, Literal) else env[atom]
 
 
-def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _eval_inlining(
+    jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], site: Any = None
+) -> list[Any]:
+    """`jaxpr` evaluated with the bodies of its calls spliced in. An equation of a
+    body whose traceback has no user frame (a library traced it inside its own `jit`)
+    is located at `site`, the source info of the outermost call that has one, so that
+    diagnostics name the user's line."""
     env: dict[Var, Any] = {}
     for v, val in zip(jaxpr.constvars, consts, strict=True):
         env[v] = val
@@ -205,9 +213,12 @@ def _eval_inlining(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> 
         env[v] = val
     for eqn in jaxpr.eqns:
         invals = [_read(env, a) for a in eqn.invars]
+        if site is not None and not has_user_frame(eqn):
+            eqn = with_traceback_of(eqn, site)
         body = call_body(eqn)
         if body is not None:
-            outs = _eval_inlining(body.jaxpr, body.consts, invals)
+            inner = eqn.source_info if site is None and has_user_frame(eqn) else site
+            outs = _eval_inlining(body.jaxpr, body.consts, invals, inner)
         else:
             outs = bind_equation(eqn, invals)
         for v, val in zip(eqn.outvars, outs, strict=True):
