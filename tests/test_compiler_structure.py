@@ -501,3 +501,63 @@ def test_brainevent_products_become_the_products_they_stand_for(name: str, trans
         np.testing.assert_allclose(got_bool, want, rtol=1e-12, atol=1e-12)
     plain = jax.make_jaxpr(lambda w, s: s @ w)(jnp.ones((3, 2)), jnp.ones(3))
     assert event_products_as_ops(plain) is plain
+
+
+@pytest.mark.parametrize("transpose", [True, False], ids=["scatter", "gather"])
+@pytest.mark.parametrize("batched", [False, True], ids=["fcnmv", "fcnmm"])
+def test_brainevents_jitted_fixed_products_become_sparse_products(
+    transpose: bool, batched: bool
+) -> None:
+    """`inline_calls(..., products=True)`: brainevent's jitted float products over fixed
+    connections (``fcnmv`` / ``fcnmm``, plain JAX inside a `jit` named after them)
+    become an `etrax.ops.sparse_matmul` with the body's values and forward-mode
+    derivatives in the weights and the data; without ``products``, or when the body
+    under that name computes something else (a changed release; checked on random
+    values at compile time), the body is inlined as it is."""
+    import brainevent
+
+    from etrax._compat import eval_jaxpr
+    from etrax.compiler._jaxpr import inline_calls
+
+    indices = jnp.asarray(_INDICES)
+    n = _PRE if transpose else _POST
+    key1, key2 = jax.random.split(jax.random.key(6))
+    weights = jax.random.normal(key1, (_PRE, _CONN))
+    data = jax.random.normal(key2, (n, _BATCH) if batched else (n,))
+    call = brainevent.fcnmm if batched else brainevent.fcnmv
+
+    def f(w: Array, x: Array) -> Array:
+        out: Array = call(w, indices, x, shape=(_PRE, _POST), transpose=transpose)
+        return out
+
+    def other(w: Array, i: Array, x: Array) -> Array:  # the same name, another product
+        rows = jnp.broadcast_to(jnp.arange(_PRE)[:, None], i.shape)
+        dense = jnp.zeros((_PRE, _POST)).at[rows, i].add(2.0 * w)  # twice the weights
+        out: Array = (x.T @ (dense if transpose else dense.T)).T
+        return out
+
+    other.__name__ = f"brainevent.{call.__name__}"
+    changed = jax.jit(other)
+
+    def g(w: Array, x: Array) -> Array:
+        out: Array = changed(w, indices, x)
+        return out
+
+    closed = jax.make_jaxpr(f)(weights, data)
+    converted = inline_calls(closed, products=True)
+    names = [e.primitive.name for e in converted.jaxpr.eqns]
+    assert "etp_sparse_matmul" in names and "scatter-add" not in names, names
+    assert "etp_sparse_matmul" not in [e.primitive.name for e in inline_calls(closed).jaxpr.eqns]
+
+    def run(w: Array, x: Array) -> Array:
+        out: Array = eval_jaxpr(converted.jaxpr, converted.consts, w, x)[0]
+        return out
+
+    np.testing.assert_allclose(run(weights, data), f(weights, data), rtol=1e-12, atol=1e-12)
+    dw, dx = jax.random.normal(jax.random.key(7), weights.shape), 0.3 * data
+    for tangents in ((dw, jnp.zeros_like(data)), (jnp.zeros_like(weights), dx)):
+        _, got = jax.jvp(run, (weights, data), tangents)
+        _, ref = jax.jvp(f, (weights, data), tangents)
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    kept = inline_calls(jax.make_jaxpr(g)(weights, data), products=True)
+    assert "etp_sparse_matmul" not in [e.primitive.name for e in kept.jaxpr.eqns]

@@ -2153,10 +2153,15 @@ def _event_layer(kind: str, n_in: int, seed: int) -> brainstate.nn.Module:
     if kind == "EventFixedProb":  # two connections per input, a weight each
         weights = 0.5 * jax.random.normal(key, (n_in, 2))
         return brainstate.nn.EventFixedProb(n_in, 4, 2, weights, seed=seed)
-    return brainstate.nn.EventFixedProb(n_in, 4, 2, 0.4, seed=seed)  # one weight for all
+    if kind == "EventFixedProb-homogeneous":  # one weight for all connections
+        return brainstate.nn.EventFixedProb(n_in, 4, 2, 0.4, seed=seed)
+    # float products over fixed connections (brainevent's jitted plain-JAX scatter)
+    return brainstate.nn.FixedNumConn(
+        n_in, 4, 2, 0.5 * jax.random.normal(key, (n_in, 2)), seed=seed
+    )
 
 
-EVENT_LAYERS = ("EventLinear", "EventFixedProb", "EventFixedProb-homogeneous")
+EVENT_LAYERS = ("EventLinear", "EventFixedProb", "EventFixedProb-homogeneous", "FixedNumConn")
 
 
 # brainstate 0.5.4's event layers use brainevent 0.2's deprecated names (EventArray, ...)
@@ -2166,15 +2171,16 @@ EVENT_LAYERS = ("EventLinear", "EventFixedProb", "EventFixedProb-homogeneous")
 @pytest.mark.parametrize("kind", EVENT_LAYERS)
 def test_brainevent_event_layers_are_traced(kind: str, batch: int | None) -> None:
     """brainstate's event layers (`EventLinear`, `EventFixedProb`, whose products are
-    brainevent primitives) are traced like the products they stand for: the weight is
-    recognised (the fixed connections' dense matrix computed from their weights), and
-    no warning. Fed by input spikes the model is diagonal, so D-RTRL over the sequence
-    equals BPTT through the model's own ``update``; every rule equals it at T = 1.
-    With recurrent spikes through a second event layer, both weights are traced and
-    the transition keeps positions apart (before, the primitive was taken as mixing
-    them: the whole Jacobian as ``D``, and the weight learnt only its instantaneous
-    gradient). The relations name the model's own lines. Negative control: with
-    recognition off, the weight is a plain use."""
+    brainevent primitives) and `FixedNumConn` (brainevent's jitted plain-JAX scatter)
+    are traced like the products they stand for: the dense weight is recognised, the
+    fixed connections become an `etrax.ops.sparse_matmul`, and no warning. Fed by
+    input spikes the model is diagonal, so D-RTRL over the sequence equals BPTT
+    through the model's own ``update``; every rule equals it at T = 1. With recurrent
+    spikes through a second such layer, both weights are traced and the transition
+    keeps positions apart (before, the product was taken as mixing them: the whole
+    Jacobian as ``D``, and the weight learnt only its instantaneous gradient). The
+    relations name the model's own lines. Negative control: with recognition off, the
+    weight is a plain use."""
     x_shape = (3,) if batch is None else (batch, 3)
     y_shape = (2,) if batch is None else (batch, 2)
     xs, ys = _sequence(x_shape, y_shape, T, seed=11)

@@ -577,12 +577,13 @@ def extract(
     name = type(model).__name__
     _check_state_avals(name, closed, compiled_states, paths, num_in, num_out, records)
     _check_weight_dtypes(name, compiled_states, paths, records)
-    closed = inline_calls(closed)
+    policy = CompilePolicy() if policy is None else policy
+    # libraries' jitted products as what they stand for, before their names are gone
+    closed = inline_calls(closed, products=policy.recognise_weight_ops)
     weights = _weight_inputs(compiled_states, paths, num_in)
     live = drop_dead_equations(closed)
     note_dead_reads(closed, live, weights, records)
     closed = live
-    policy = CompilePolicy() if policy is None else policy
     hidden_sizes = frozenset(
         int(d)
         for st in compiled_states

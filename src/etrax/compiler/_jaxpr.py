@@ -48,6 +48,7 @@ __all__ = [
     "event_products_as_ops",
     "fold_cuts_of_joins",
     "inline_calls",
+    "library_product",
     "merge_heads_first",
     "slice_program",
     "split_products_read_head_by_head",
@@ -200,12 +201,17 @@ def _read(env: dict[Var, Any], atom: Any) -> Any:
 
 
 def _eval_inlining(
-    jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], site: Any = None
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    site: Any = None,
+    products: bool = False,
 ) -> list[Any]:
     """`jaxpr` evaluated with the bodies of its calls spliced in. An equation of a
     body whose traceback has no user frame (a library traced it inside its own `jit`)
     is located at `site`, the source info of the outermost call that has one, so that
-    diagnostics name the user's line."""
+    diagnostics name the user's line. With `products`, a library's product call that
+    `library_product` knows is written as the product it stands for instead."""
     env: dict[Var, Any] = {}
     for v, val in zip(jaxpr.constvars, consts, strict=True):
         env[v] = val
@@ -216,9 +222,13 @@ def _eval_inlining(
         if site is not None and not has_user_frame(eqn):
             eqn = with_traceback_of(eqn, site)
         body = call_body(eqn)
-        if body is not None:
+        known = library_product(eqn, body, invals) if products and body is not None else None
+        if known is not None:
+            with equation_context(eqn):
+                outs = [known()]
+        elif body is not None:
             inner = eqn.source_info if site is None and has_user_frame(eqn) else site
-            outs = _eval_inlining(body.jaxpr, body.consts, invals, inner)
+            outs = _eval_inlining(body.jaxpr, body.consts, invals, inner, products)
         else:
             outs = bind_equation(eqn, invals)
         for v, val in zip(eqn.outvars, outs, strict=True):
@@ -251,12 +261,15 @@ def drop_dead_equations(closed: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(replace_jaxpr(jaxpr, eqns=kept[::-1]), closed.consts)
 
 
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+def inline_calls(closed: ClosedJaxpr, products: bool = False) -> ClosedJaxpr:
     """Splice every nested `jit` / `closed_call` / `remat` body into one flat jaxpr.
 
     Done by re-tracing the jaxpr through an evaluator that descends into call
     bodies, so every call site gets fresh variables. Invariant: invars and outvars
     keep their order, avals and meaning. Custom-derivative calls are kept whole.
+    With `products`, a library's jitted product that `library_product` knows (the
+    fixed connections of ``brainstate.nn.FixedNumConn``) is written as the product it
+    stands for instead of its body.
     """
     if not _has_calls(closed.jaxpr):
         return closed
@@ -264,7 +277,7 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     jaxpr, consts = closed.jaxpr, closed.consts
 
     def flat(*args: Any) -> list[Any]:
-        return _eval_inlining(jaxpr, consts, args)
+        return _eval_inlining(jaxpr, consts, args, products=products)
 
     return jax.make_jaxpr(flat)(*avals)
 
@@ -880,13 +893,16 @@ def _fixed_pattern(indices: Any, shape: tuple[int, int], transpose: bool) -> Spa
         return None
 
 
-def _fixed_product(params: Mapping[str, Any], weights: Any, indices: Any, spikes: Any) -> Any:
+def _fixed_product(
+    params: Mapping[str, Any], weights: Any, indices: Any, spikes: Any, events: bool = True
+) -> Any:
     """``spikes @ S`` for the connections' matrix ``S`` (``spikes``: ``(in,)`` or
-    ``(batch, in)``): an `etrax.ops.sparse_matmul` over the stored connections when
-    their indices are known at compile time, so that D-RTRL traces only those, else
-    a product with the dense matrix."""
+    ``(batch, in)``; their events, `_spike_activity`, or with ``events=False`` their
+    values): an `etrax.ops.sparse_matmul` over the stored connections when their
+    indices are known at compile time, so that D-RTRL traces only those, else a
+    product with the dense matrix."""
     shape, transpose = tuple(params["shape"]), bool(params["transpose"])
-    s = _spike_activity(spikes, weights.dtype)
+    s = _spike_activity(spikes, weights.dtype) if events else spikes
     pattern = _fixed_pattern(indices, shape, transpose)
     if pattern is not None:
         data = jnp.broadcast_to(weights, indices.shape).reshape(-1)
@@ -975,3 +991,72 @@ def event_products_as_ops(closed: ClosedJaxpr) -> ClosedJaxpr:
             return [rule(eqn.params, *(_read(env, a) for a in eqn.invars))]
 
     return _retraced(closed, converted)
+
+
+_FIXED_CALLS: Final = {"brainevent.fcnmv": 1, "brainevent.fcnmm": 2}
+"""brainevent's jitted float products over a fixed number of connections per row
+(``brainstate.nn.FixedNumConn`` on float inputs: ``fcnmv(weights, indices, x)``,
+``fcnmm(weights, indices, matrix)``, written in plain JAX as a scatter or a gather),
+by the call's name, with the rank of their data operand."""
+
+
+def _fixed_call_params(eqn: JaxprEqn, body: ClosedJaxpr) -> dict[str, Any] | None:
+    """``shape`` and ``transpose`` of a fixed-connection call (`_FIXED_CALLS`), read from
+    its operands and its body (a scatter to the columns: ``transpose=True``; a gather
+    from them: ``False``); `None` for any other call."""
+    rank = _FIXED_CALLS.get(str(eqn.params.get("name")))
+    if rank is None or len(eqn.invars) != 3 or len(eqn.outvars) != 1:
+        return None
+    indices, data = (aval_of(v) for v in eqn.invars[1:])
+    out = aval_of(eqn.outvars[0])
+    if (
+        len(indices.shape) != 2
+        or not jnp.issubdtype(indices.dtype, jnp.integer)
+        or not jnp.issubdtype(data.dtype, jnp.floating)
+        or len(data.shape) != rank
+        or len(out.shape) != rank
+    ):
+        return None
+    used = {e.primitive.name for e in body.jaxpr.eqns}
+    scatter, gather = "scatter-add" in used, "gather" in used
+    if scatter == gather:
+        return None
+    n_post = out.shape[0] if scatter else data.shape[0]
+    return {"shape": (indices.shape[0], n_post), "transpose": scatter}
+
+
+def library_product(
+    eqn: JaxprEqn, body: ClosedJaxpr, invals: Sequence[Any]
+) -> Callable[[], Any] | None:
+    """What a library's jitted product call (`_FIXED_CALLS`) stands for, as a thunk
+    that computes it from `invals` (an `etrax.ops.sparse_matmul` over the fixed
+    connections, `_fixed_product`); `None` where the call is no such product, its
+    indices are not constants of the step, or the product does not give the body's
+    values on random weights and data (checked once, at compile time: a library
+    release that changed the call's meaning is inlined as it is)."""
+    params = _fixed_call_params(eqn, body)
+    if params is None:
+        return None
+    weights, indices, data = invals
+    if isinstance(indices, jax.core.Tracer):
+        return None
+    rank = len(data.shape)
+
+    def product(w: Any, idx: Any, x: Any) -> Any:
+        if rank == 1:
+            return _fixed_product(params, w, idx, x, events=False)
+        return _fixed_product(params, w, idx, x.T, events=False).T
+
+    with jax.ensure_compile_time_eval():
+        rng = np.random.default_rng(0)
+        w = jnp.asarray(rng.standard_normal(weights.shape), weights.dtype)
+        x = jnp.asarray(rng.standard_normal(data.shape), data.dtype)
+        want = eval_jaxpr(body.jaxpr, body.consts, w, indices, x)[0]
+        try:
+            got = product(w, indices, x)
+        except (OpArgumentError, TypeError, ValueError):  # shapes that do not fit
+            return None
+        tol = 1e-4 if want.dtype.itemsize < 8 else 1e-10
+        if got.shape != want.shape or not bool(jnp.allclose(got, want, rtol=tol, atol=tol)):
+            return None
+    return lambda: product(weights, indices, data)
