@@ -32,6 +32,7 @@ from .._compat import (
     has_user_frame,
     inner_closed_jaxprs,
     replace_jaxpr,
+    shape_struct,
     struct_of,
     with_traceback_of,
 )
@@ -1032,8 +1033,8 @@ def library_product(
     that computes it from `invals` (an `etrax.ops.sparse_matmul` over the fixed
     connections, `_fixed_product`); `None` where the call is no such product, its
     indices are not constants of the step, or the product does not give the body's
-    values on random weights and data (checked once, at compile time: a library
-    release that changed the call's meaning is inlined as it is)."""
+    values on random weights and data (`_fixed_call_checked`, at compile time: a
+    library release that changed the call's meaning is inlined as it is)."""
     params = _fixed_call_params(eqn, body)
     if params is None:
         return None
@@ -1047,16 +1048,48 @@ def library_product(
             return _fixed_product(params, w, idx, x, events=False)
         return _fixed_product(params, w, idx, x.T, events=False).T
 
-    with jax.ensure_compile_time_eval():
-        rng = np.random.default_rng(0)
-        w = jnp.asarray(rng.standard_normal(weights.shape), weights.dtype)
-        x = jnp.asarray(rng.standard_normal(data.shape), data.dtype)
-        want = eval_jaxpr(body.jaxpr, body.consts, w, indices, x)[0]
-        try:
-            got = product(w, indices, x)
-        except (OpArgumentError, TypeError, ValueError):  # shapes that do not fit
-            return None
-        tol = 1e-4 if want.dtype.itemsize < 8 else 1e-10
-        if got.shape != want.shape or not bool(jnp.allclose(got, want, rtol=tol, atol=tol)):
-            return None
+    if not _fixed_call_checked(body, params, weights, indices, data):
+        return None
     return lambda: product(weights, indices, data)
+
+
+_CHECKS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+"""`_fixed_call_checked`'s compiled comparisons, by the body's printed jaxpr and the
+operands' shapes and dtypes (every layer of one size shares one; at most 64)."""
+
+
+def _fixed_call_checked(
+    body: ClosedJaxpr, params: Mapping[str, Any], weights: Any, indices: Any, data: Any
+) -> bool:
+    """Whether a fixed-connection call's body (`_FIXED_CALLS`) gives the product with
+    the dense matrix of its connections (`_connections`; `etrax.ops.sparse_matmul`
+    over them is that product) on random weights and data and the call's own
+    indices: one compiled program per body and shapes, not an eager op each."""
+    structs = tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in (weights, indices, data))
+    key = (str(body.jaxpr), len(body.consts), tuple(params["shape"]), params["transpose"], structs)
+    check = _CHECKS.get(key)
+    if check is None:
+        shape, transpose = tuple(params["shape"]), bool(params["transpose"])
+
+        def both(w: Any, idx: Any, x: Any, consts: Sequence[Any]) -> tuple[Any, Any]:
+            want = eval_jaxpr(body.jaxpr, consts, w, idx, x)[0]
+            matrix = _connections(w, idx, shape)
+            got = (x.T @ (matrix if transpose else matrix.T)).T
+            return want, got
+
+        # compiled ahead of time: called inside a trace (the inlining's), a jitted
+        # function would be staged into it rather than run
+        args = (*(shape_struct(*a) for a in structs), [struct_of(c) for c in body.consts])
+        try:
+            check = jax.jit(both).lower(*args).compile()
+        except (TypeError, ValueError):  # shapes that do not fit
+            return False
+        if len(_CHECKS) >= 64:  # a bounded cache: many layer sizes start it again
+            _CHECKS.clear()
+        _CHECKS[key] = check
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(weights.shape).astype(weights.dtype)
+    x = rng.standard_normal(data.shape).astype(data.dtype)
+    want, got = (np.asarray(a) for a in check(w, np.asarray(indices), x, list(body.consts)))
+    tol = 1e-4 if want.dtype.itemsize < 8 else 1e-10
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=tol, atol=tol))
