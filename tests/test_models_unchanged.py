@@ -2215,3 +2215,64 @@ def test_brainevent_event_layers_are_traced(kind: str, batch: int | None) -> Non
         model, xs[0], policy=etrax.CompilePolicy(recognise_weight_ops=False)
     )
     assert ("inp", "weight") in {r.weight_path for r in off.explain(kind=K.WEIGHT_PLAIN_USE)}
+
+
+# ----- brainstate's exponential Euler integrator ---------------------------------------
+
+
+class ExpEulerNeurons(brainstate.nn.Module):
+    """Spiking units whose membrane follows ``dV/dt = (-V + tanh V + I) / τ`` with a
+    learned ``τ`` per unit, integrated by brainstate's `exp_euler_step` (which takes
+    the drift's Jacobian inside the step, with `vector_grad`, and brainunit's
+    ``exprel``), driven by inputs through a `Linear`, read out after the reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = brainstate.nn.Linear(3, 4)
+        self.tau = brainstate.ParamState(jnp.linspace(2.0, 5.0, 4))
+        self.out = brainstate.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        shape = (4,) if batch_size is None else (batch_size, 4)
+        self.v = brainstate.HiddenState(jnp.full(shape, 0.2))
+
+    def update(self, x: ArrayLike) -> Array:
+        def drift(v: Array, current: Array) -> Array:
+            return (-v + jnp.tanh(v) + current) / self.tau.value
+
+        v = brainstate.nn.exp_euler_step(drift, self.v.value, self.inp(x))
+        self.v.value = v - 0.5 * _fire(v - 0.5)
+        y: Array = self.out(self.v.value)
+        return y
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+def test_a_neuron_integrated_by_exp_euler_step_is_traced(batch: int | None) -> None:
+    """brainstate's `exp_euler_step` writes the drift's Jacobian into the step
+    (`add_any`, the sum of cotangents, and brainunit's ``exprel`` primitive): both
+    are element-wise, so the transition keeps positions apart (before: the whole
+    Jacobian as ``D``, with a ``transition_mixes_positions`` warning) and ``τ`` is
+    read through `etrax.element_wise` where it meets data in an ``add_any``. Every
+    rule equals BPTT through the model's own ``update`` at T = 1 and D-RTRL over the
+    sequence (the model is diagonal). With a batch, the Jacobian's ``1 / τ`` is
+    computed on the whole batch's shape, so that one use of ``τ`` is a plain use,
+    reported, and its instantaneous gradient is what it learns there."""
+    x_shape = (3,) if batch is None else (batch, 3)
+    y_shape = (2,) if batch is None else (batch, 2)
+    xs, ys = _sequence(x_shape, y_shape, T, seed=13)
+    with brainstate.environ.context(dt=0.1):
+        model = ExpEulerNeurons()
+        brainstate.nn.init_all_states(model, batch_size=batch)
+        graph = etrax.compile_etrace_graph(model, xs[0])
+        state = etrax.state_of(graph)
+        exact_1 = bptt_grads(model, state, xs[:1], ys[:1], sq)
+        exact = bptt_grads(model, state, xs, ys, sq)
+    assert not graph.explain(kind=K.TRANSITION_MIXES_POSITIONS)
+    plain = {r.weight_path for r in graph.explain(kind=K.WEIGHT_PLAIN_USE)}
+    assert plain == (set() if batch is None else {("tau",)}), plain
+    if batch is None:
+        assert graph.weight_rules()[("tau",)].rule is etrax.WeightRule.TRACED
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact_1)
+    if batch is None:
+        _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), exact)

@@ -169,7 +169,7 @@ _PART_WISE = frozenset(
         "logistic", "tanh", "exp", "exp2", "log", "log1p", "expm1", "neg", "abs", "sign",
         "sqrt", "rsqrt", "cbrt", "sin", "cos", "erf", "square", "integer_pow", "mul", "add",
         "sub", "div", "max", "min", "pow", "convert_element_type", "copy", "copy_p",
-        "select_n", "clamp", "gt", "lt", "ge", "le", "eq", "ne",
+        "select_n", "clamp", "gt", "lt", "ge", "le", "eq", "ne", "add_any", "exprel",
     }
 )  # fmt: skip
 """Element-wise primitives that recognised ops' outputs may pass through, alone or
@@ -537,10 +537,12 @@ def _plan_low_rank(
         del plans[j]
 
 
-ELEMENT_WISE_PRIMITIVES = frozenset({"add", "sub", "mul", "div", "max", "min"})
+ELEMENT_WISE_PRIMITIVES = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min"})
 """The binary element-wise primitives whose weight-valued operand along the output
 features (a bias ``+ b``, a gain or a learned decay ``a * h``, a time constant ``x / τ``)
-is read through `etrax.element_wise`, so that its effect on hidden states is traced."""
+is read through `etrax.element_wise`, so that its effect on hidden states is traced
+(``add_any`` is the sum that a derivative taken inside the model writes, such as the
+Jacobian of brainstate's `exp_euler_step`)."""
 
 
 def _plan_element_wise(

@@ -65,6 +65,7 @@ ELEMENTWISE = frozenset(
         "acos",
         "acosh",
         "add",
+        "add_any",  # the sum of cotangents (a model's own `jax.grad` / `vector_grad`)
         "and",
         "asin",
         "asinh",
@@ -90,6 +91,7 @@ ELEMENTWISE = frozenset(
         "exp",
         "exp2",
         "expm1",
+        "exprel",  # brainunit's (exp(x) - 1) / x (brainstate's `exp_euler_step`)
         "floor",
         "ge",
         "gt",

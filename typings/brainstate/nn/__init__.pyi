@@ -98,6 +98,7 @@ def init_all_states(
 def reset_all_states(
     target: _T, *reset_args: Any, node_to_exclude: _Filter = None, **reset_kwargs: Any
 ) -> _T: ...
+def exp_euler_step(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
 # Layers whose plain weight operations etrax recognises (their weights live in one
 # ParamState ``weight``; the cells hold their Linear layers as attributes).
