@@ -427,9 +427,9 @@ def _along_features(
         return False
     src_shape = tuple(aval_of(eqn.invars[0]).shape)
     dims = tuple(eqn.params["broadcast_dimensions"])
-    return (src_shape == (features,) and dims == (len(shape) - 1,)) or all(
-        d == 1 for d in src_shape
-    )
+    if src_shape[-1:] == (features,) and all(d == 1 for d in src_shape[:-1]):
+        return bool(dims) and dims[-1] == len(shape) - 1  # `(1, …, 1, F)` onto the features
+    return all(d == 1 for d in src_shape)
 
 
 def _cut_parts(eqn: JaxprEqn, features: int) -> list[tuple[int, int]] | None:
@@ -1388,7 +1388,9 @@ def _feature_vector(jaxpr: Jaxpr, atom: Var, read: Any, features: int) -> Any:
     for eqn in jaxpr.eqns:
         if atom in eqn.outvars:
             source = read(eqn.invars[0])
-            if all(d == 1 for d in jnp.shape(source)):
+            if all(d == 1 for d in jnp.shape(source)[:-1]):  # `(F,)`, `(1, …, 1, F)`, scalar
+                source = jnp.reshape(source, jnp.shape(source)[-1:])
+            if jnp.size(source) == 1:
                 source = jnp.reshape(source, ())
             return jnp.broadcast_to(source, (features,))
     raise AssertionError("planned weight operand has no producer")
@@ -1575,6 +1577,9 @@ def normalise(
     closed = custom_vjp_as_jvp(closed)
     if policy.recognise_weight_ops:  # brainevent's products as the products they are
         closed = event_products_as_ops(closed)
+        narrowed = narrow_weight_values(closed, weight_inputs)  # before they meet data
+        if narrowed is not closed:
+            closed = live(narrowed)  # the wide values that only the narrow ones replace
     if policy.recognise_weight_ops:  # per-head products merged into a flat state
         closed = merge_heads_first(closed, ELEMENTWISE, _is_product)
         split = split_products_read_head_by_head(closed)  # gates stacked on a leading axis
@@ -1587,6 +1592,86 @@ def normalise(
     if folded is not closed:
         closed = live(folded)  # the joins that only the cuts read
     return closed, records
+
+
+_NARROWABLE = ELEMENTWISE - {"select_n", "clamp"}
+"""Element-wise primitives that `narrow_weight_values` computes on narrow operands
+(lax broadcasts their axes of length one; ``select_n`` and ``clamp`` want equal
+shapes)."""
+
+
+def narrow_weight_values(closed: ClosedJaxpr, weight_inputs: Mapping[int, Path]) -> ClosedJaxpr:
+    """`closed` with each weight value that element-wise equations compute from
+    broadcasts computed at its narrow shape, and broadcast once after. A weight vector
+    computed on the data's whole shape (``1 / τ`` with the ``1`` broadcast to
+    ``(batch, features)``, as the Jacobian that brainstate's `exp_euler_step` takes
+    inside a step writes it) then meets the data as a broadcast of a ``(1, F)``
+    value, which weight recognition reads along the features (`_along_features`).
+    The values are the same. Returns `closed` itself when nothing is narrowed."""
+    jaxpr = closed.jaxpr
+    kinds, _ = _static_kinds(jaxpr, *_input_kinds(jaxpr, weight_inputs))
+
+    def static(atom: Any) -> bool:
+        return _read_kind(kinds, atom) is not _Kind.DATA
+
+    broadcast = {
+        o
+        for e in jaxpr.eqns
+        if e.primitive.name == "broadcast_in_dim" and static(e.invars[0])
+        for o in e.outvars
+    }
+    if not any(
+        e.primitive.name in _NARROWABLE
+        and any(isinstance(a, Var) and a in broadcast for a in e.invars)
+        for e in jaxpr.eqns
+    ):
+        return closed
+
+    def run(*args: Any) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        narrow: dict[Any, Any] = {}  # wide value → its narrow one (same rank)
+
+        def read(atom: Any) -> Any:
+            return atom.val if isinstance(atom, Literal) else env[atom]
+
+        for eqn in jaxpr.eqns:
+            invals = [read(a) for a in eqn.invars]
+            outs = None
+            name = eqn.primitive.name
+            out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
+            shape = tuple(aval_of(out).shape) if out is not None else ()
+            if name == "broadcast_in_dim" and static(eqn.invars[0]) and out is not None:
+                small = [1] * len(shape)
+                for k, d in enumerate(eqn.params["broadcast_dimensions"]):
+                    small[d] = int(jnp.shape(invals[0])[k])
+                if tuple(small) != shape:
+                    with equation_context(eqn):
+                        narrow[out] = jnp.reshape(invals[0], small)
+            elif (
+                name in _NARROWABLE
+                and out is not None
+                and _read_kind(kinds, out) is _Kind.WEIGHT
+                and all(static(a) for a in eqn.invars)
+                and any(isinstance(a, Var) and a in narrow for a in eqn.invars)
+            ):
+                small_in = [
+                    narrow[a] if isinstance(a, Var) and a in narrow else v
+                    for a, v in zip(eqn.invars, invals, strict=True)
+                ]
+                (value,) = bind_equation(eqn, small_in)
+                if tuple(jnp.shape(value)) != shape and len(jnp.shape(value)) == len(shape):
+                    narrow[out] = value
+                    with equation_context(eqn):
+                        outs = [jax.lax.broadcast_in_dim(value, shape, tuple(range(len(shape))))]
+            if outs is None:
+                outs = bind_equation(eqn, invals)
+            for v, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, DropVar):
+                    env[v] = val
+        return [read(a) for a in jaxpr.outvars]
+
+    return jax.make_jaxpr(run)(*(struct_of(v) for v in jaxpr.invars))
 
 
 def _is_product(eqn: JaxprEqn) -> bool:
