@@ -1622,7 +1622,10 @@ def narrow_weight_values(closed: ClosedJaxpr, weight_inputs: Mapping[int, Path])
     }
     if not any(
         e.primitive.name in _NARROWABLE
+        and len(e.outvars) == 1
+        and kinds.get(e.outvars[0]) is _Kind.WEIGHT
         and any(isinstance(a, Var) and a in broadcast for a in e.invars)
+        and len(aval_of(e.outvars[0]).shape) > 1  # a vector is as narrow as it gets
         for e in jaxpr.eqns
     ):
         return closed
@@ -1651,7 +1654,7 @@ def narrow_weight_values(closed: ClosedJaxpr, weight_inputs: Mapping[int, Path])
             elif (
                 name in _NARROWABLE
                 and out is not None
-                and _read_kind(kinds, out) is _Kind.WEIGHT
+                and kinds.get(out) is _Kind.WEIGHT
                 and all(static(a) for a in eqn.invars)
                 and any(isinstance(a, Var) and a in narrow for a in eqn.invars)
             ):
