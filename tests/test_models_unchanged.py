@@ -2278,3 +2278,67 @@ def test_a_neuron_integrated_by_exp_euler_step_is_traced(batch: int | None) -> N
     for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
         _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact_1)
     _close(dict(_online(graph, etrax.DRTRL(), xs, ys)), exact)
+
+
+# ----- a leaky readout of spikes ----------------------------------------------------
+
+
+class SpikesIntoLeakyReadout(brainstate.nn.Module):
+    """Spiking units reset by subtraction, read by a leaky readout (a hidden state of
+    its own, returned as the output): e-prop's usual model. The readout reads the
+    spikes, which come from the membrane before the reset, so the units' stored
+    (reset) values reach no output in their own step."""
+
+    def __init__(self, cut: bool = False) -> None:
+        super().__init__()
+        self.cut = cut  # the oracle's variant: the readout's memory cut from its past
+        self.inp = brainstate.nn.Linear(3, 4)
+        self.out = brainstate.nn.Linear(4, 2)
+
+    def init_state(self, batch_size: int | None = None, **kw: object) -> None:
+        def shape(n: int) -> tuple[int, ...]:
+            return (n,) if batch_size is None else (batch_size, n)
+
+        self.v = brainstate.HiddenState(jnp.full(shape(4), 0.3))
+        self.y = brainstate.HiddenState(jnp.zeros(shape(2)))
+
+    def update(self, x: ArrayLike) -> Array:
+        v = 0.9 * self.v.value + self.inp(x)
+        s = _fire(v - 1.0)
+        self.v.value = v - s
+        past = jax.lax.stop_gradient(self.y.value) if self.cut else self.y.value
+        self.y.value = 0.8 * past + self.out(s)
+        return self.y.value
+
+
+@pytest.mark.parametrize("batch", [None, 2], ids=["unbatched", "batch2"])
+def test_spikes_read_by_a_leaky_readout_teach_the_input_weight(batch: int | None) -> None:
+    """The readout is a group whose new value is the output; the units' old values
+    reach it within the step through the spikes (before, that route was taken as
+    leaving through a new hidden value: a `hidden_group_not_read` warning, and the
+    input weight learnt its instantaneous gradient only, a sixth of the gradient
+    here). That route now carries the units' direct signal: no warning, every rule
+    equals BPTT at T = 1, and over the sequence D-RTRL (chunked and per step) and
+    e-prop give the input weight exactly the gradient of BPTT through the model with
+    the readout's memory cut (the approximation the report names: the units'
+    influence through the readout's memory, a route across a weight, is not traced)."""
+    x_shape = (3,) if batch is None else (batch, 3)
+    y_shape = (2,) if batch is None else (batch, 2)
+    xs, ys = _sequence(x_shape, y_shape, T, seed=17)
+    xs = 2.0 * xs
+    model, cut = SpikesIntoLeakyReadout(), SpikesIntoLeakyReadout(cut=True)
+    for m in (model, cut):
+        brainstate.nn.init_all_states(m, batch_size=batch)
+    for a, b in ((model.inp, cut.inp), (model.out, cut.out)):
+        b.weight.value = dict(a.weight.value)
+    graph = etrax.compile_etrace_graph(model, xs[0])
+    warned = [r for r in graph.diagnostics if r.level is not etrax.DiagnosticLevel.INFO]
+    assert not warned, warned
+    state = etrax.state_of(graph)
+    exact_1 = bptt_grads(model, state, xs[:1], ys[:1], sq)
+    for algo in (etrax.DRTRL(), etrax.PPProp(decay=0.9), etrax.EProp()):
+        _close(dict(_online(graph, algo, xs[:1], ys[:1])), exact_1)
+    want = bptt_grads(cut, state, xs, ys, sq)[("inp", "weight")]
+    assert float(jnp.max(jnp.abs(want["weight"]))) > 1.0  # spikes happen: a real signal
+    for algo in (etrax.DRTRL(), etrax.DRTRL(chunk_steps=1), etrax.EProp()):
+        _close(_online(graph, algo, xs, ys)[("inp", "weight")], want)

@@ -259,9 +259,16 @@ class _Builder:
 
     def _direct(self) -> None:
         """Equations on routes from old hidden values to the model's outputs that avoid
-        every new hidden value: they carry the "direct" perturbation ``q``."""
+        every new hidden value: they carry the "direct" perturbation ``q``.
+
+        A model output that is itself a group's new value (a leaky readout returned as
+        the output) is reached from the old values its own computation reads: those
+        routes (`through`: the output, its equations, and the hidden states whose
+        ``q`` they carry) count for every other group's old values, while the group's
+        own, and its linked groups', are in its transition and are left out."""
         jaxpr = self.jaxpr
-        needed = {v for v in jaxpr.outvars[: self.minfo.num_var_out] if isinstance(v, Var)}
+        outputs = [v for v in jaxpr.outvars[: self.minfo.num_var_out] if isinstance(v, Var)]
+        needed = set(outputs)
         self.direct_eqns: set[int] = set()
         for i in range(len(jaxpr.eqns) - 1, -1, -1):
             eqn = jaxpr.eqns[i]
@@ -270,7 +277,36 @@ class _Builder:
                 self.direct_eqns.add(i)
                 needed.update(a for a in eqn.invars if isinstance(a, Var))
         self.hidden_in = {self.table.var(s.invars[0]): k for k, s in enumerate(self.hidden)}
-        self.direct = sorted({k for v, k in self.hidden_in.items() if v in needed})
+        direct = {k for v, k in self.hidden_in.items() if v in needed}
+        self.blocked_states = frozenset(direct)
+        self.through: list[tuple[Var, frozenset[int], tuple[int, ...]]] = []
+        group_of = {p: g for g in self.node_group.values() for p in g.hidden_paths}
+        for node in dict.fromkeys(v for v in outputs if v in self.node_of):
+            group = self.node_group[node]
+            own = (
+                {group.index, *self.linked.get(group.link, ())}
+                if group.link is not None
+                else {group.index}
+            )
+            reached, eqns = {node}, set()
+            for i in range(self.table.producer[node], -1, -1):
+                outs = [v for v in jaxpr.eqns[i].outvars if not isinstance(v, DropVar)]
+                if any(v in reached and (v is node or v not in self.node_of) for v in outs):
+                    eqns.add(i)
+                    reached.update(a for a in jaxpr.eqns[i].invars if isinstance(a, Var))
+            states = tuple(
+                sorted(
+                    k
+                    for v, k in self.hidden_in.items()
+                    if v in reached
+                    and (g := group_of.get(self.hidden[k].path)) is not None
+                    and g.index not in own
+                )
+            )
+            if states:
+                self.through.append((node, frozenset(eqns), states))
+                direct.update(states)
+        self.direct = sorted(direct)
 
     def _output_roles(self) -> None:
         """What each output of the step is: model output, hidden, other or weight."""
@@ -332,8 +368,16 @@ class _Run:
         # effect is known without ``orig`` (see `node`, `carry_effect` and `total`)
         self.added: dict[tuple[Hashable, Var], tuple[Any, Any]] = {}
         for v, k in b.hidden_in.items():
-            if k in b.direct:
+            if k in b.blocked_states:
                 self.blocked[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
+        # one environment per output node reached from other groups' old values (`through`)
+        self.through: list[dict[Var, Any]] = []
+        for _, _, states in b.through:
+            env = {}
+            for v, k in b.hidden_in.items():
+                if k in states:
+                    env[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
+            self.through.append(env)
 
     def read(self, env: Mapping[Var, Any], atom: Any, i: int, pos: int) -> Any:
         value = atom.val if isinstance(atom, Literal) else env.get(atom, self.orig.get(atom))
@@ -372,6 +416,11 @@ class _Run:
             for v, val in zip(eqn.outvars, self.bind(self.blocked, i, eqn), strict=True):
                 if not isinstance(v, DropVar) and v not in self.b.node_of:
                     self.blocked[v] = val
+        for (node, eqns, _), env in zip(self.b.through, self.through, strict=True):
+            if i in eqns and any(a in env for a in ins):
+                for v, val in zip(eqn.outvars, self.bind(env, i, eqn), strict=True):
+                    if not isinstance(v, DropVar) and (v is node or v not in self.b.node_of):
+                        env[v] = val
         active = [k for k, env in self.envs.items() if any(a in env for a in ins)]
         if active and i in self.b.boundaries:
             summed = {a: self.total(a) for a in ins}
@@ -495,6 +544,10 @@ class _Run:
                     and jnp.issubdtype(jnp.result_type(value), jnp.inexact)
                 ):  # a boolean or integer value carries no perturbation
                     value = value + (self.blocked[atom] - self.orig[atom])
+                if role is None and jnp.issubdtype(jnp.result_type(value), jnp.inexact):
+                    for (node, _, _), env in zip(b.through, self.through, strict=True):
+                        if node is atom and atom in env:  # other groups' old values
+                            value = value + (env[atom] - self.orig[atom])
             else:
                 value = atom.val
             n = b.out_use.get(pos)

@@ -868,6 +868,18 @@ def _unread_group_records(
     outputs = [v for v in outputs if _is_float(v)]
     now = _differentiable_ancestors(ctx, outputs, set())
     direct = _differentiable_ancestors(ctx, outputs, set(ctx.hidden_outvars))
+    # an output that is a group's new value (a leaky readout) reads the old values of
+    # other groups in its own computation within the step (`perturb`'s `through`)
+    group_of_new = {
+        ctx.table.var(v): g.index for g in groups for v in g.hidden_outvars if v is not None
+    }
+    through: dict[int, set[Var]] = {}
+    for v in outputs:
+        if v in group_of_new:
+            stop = set(ctx.hidden_outvars) - {v}
+            through.setdefault(group_of_new[v], set()).update(
+                _differentiable_ancestors(ctx, [v], stop)
+            )
     out: list[CompilationRecord] = []
     for g in groups:
         traced = [r for r in relations if g.index in r.hidden_groups]
@@ -879,7 +891,13 @@ def _unread_group_records(
             s.outvars[0] is not None and ctx.table.var(s.outvars[0]) in now for s in states
         )
         read_before = any(ctx.table.var(s.invars[0]) in direct for s in states)
-        if read_now or read_before:
+        read_through = any(
+            ctx.table.var(s.invars[0]) in reached
+            for h, reached in through.items()
+            if h != g.index
+            for s in states
+        )
+        if read_now or read_before or read_through:
             continue
         out.append(
             record(
