@@ -261,11 +261,13 @@ class _Builder:
         """Equations on routes from old hidden values to the model's outputs that avoid
         every new hidden value: they carry the "direct" perturbation ``q``.
 
-        A model output that is itself a group's new value (a leaky readout returned as
-        the output) is reached from the old values its own computation reads: those
-        routes (`through`: the output, its equations, and the hidden states whose
-        ``q`` they carry) count for every other group's old values, while the group's
-        own, and its linked groups', are in its transition and are left out."""
+        A group's new value on such a route (a leaky readout returned as the output, or
+        a second layer read out through a weight) is reached from the old values its
+        own computation reads: those routes (`through`: the new value, the equations
+        computing it, and the hidden states whose ``q`` they carry) count for every
+        other group's old values, carried on to the outputs along the direct
+        equations after it; the group's own old values, and its linked groups', are in
+        its transition and are left out."""
         jaxpr = self.jaxpr
         outputs = [v for v in jaxpr.outvars[: self.minfo.num_var_out] if isinstance(v, Var)]
         needed = set(outputs)
@@ -281,7 +283,9 @@ class _Builder:
         self.blocked_states = frozenset(direct)
         self.through: list[tuple[Var, frozenset[int], tuple[int, ...]]] = []
         group_of = {p: g for g in self.node_group.values() for p in g.hidden_paths}
-        for node in dict.fromkeys(v for v in outputs if v in self.node_of):
+        for node in sorted(
+            (v for v in needed if v in self.node_of), key=lambda v: self.table.producer[v]
+        ):
             group = self.node_group[node]
             own = (
                 {group.index, *self.linked.get(group.link, ())}
@@ -370,14 +374,15 @@ class _Run:
         for v, k in b.hidden_in.items():
             if k in b.blocked_states:
                 self.blocked[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
-        # one environment per output node reached from other groups' old values (`through`)
-        self.through: list[dict[Var, Any]] = []
+        # per new value reached from other groups' old values (`through`): the values
+        # computed from their ``q`` up to it, and from it on to the outputs
+        self.through: list[tuple[dict[Var, Any], dict[Var, Any]]] = []
         for _, _, states in b.through:
-            env = {}
+            back: dict[Var, Any] = {}
             for v, k in b.hidden_in.items():
                 if k in states:
-                    env[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
-            self.through.append(env)
+                    back[v] = self.orig[v] + olds[k].astype(jnp.result_type(self.orig[v]))
+            self.through.append((back, {}))
 
     def read(self, env: Mapping[Var, Any], atom: Any, i: int, pos: int) -> Any:
         value = atom.val if isinstance(atom, Literal) else env.get(atom, self.orig.get(atom))
@@ -416,11 +421,17 @@ class _Run:
             for v, val in zip(eqn.outvars, self.bind(self.blocked, i, eqn), strict=True):
                 if not isinstance(v, DropVar) and v not in self.b.node_of:
                     self.blocked[v] = val
-        for (node, eqns, _), env in zip(self.b.through, self.through, strict=True):
-            if i in eqns and any(a in env for a in ins):
-                for v, val in zip(eqn.outvars, self.bind(env, i, eqn), strict=True):
+        for (node, eqns, _), (back, fwd) in zip(self.b.through, self.through, strict=True):
+            if i in eqns and any(a in back for a in ins):  # up to the new value
+                for v, val in zip(eqn.outvars, self.bind(back, i, eqn), strict=True):
                     if not isinstance(v, DropVar) and (v is node or v not in self.b.node_of):
-                        env[v] = val
+                        back[v] = val
+                if node in back:
+                    fwd[node] = back[node]
+            elif i in self.b.direct_eqns and any(a in fwd for a in ins):  # on to the outputs
+                for v, val in zip(eqn.outvars, self.bind(fwd, i, eqn), strict=True):
+                    if not isinstance(v, DropVar) and v not in self.b.node_of:
+                        fwd[v] = val
         active = [k for k, env in self.envs.items() if any(a in env for a in ins)]
         if active and i in self.b.boundaries:
             summed = {a: self.total(a) for a in ins}
@@ -545,9 +556,9 @@ class _Run:
                 ):  # a boolean or integer value carries no perturbation
                     value = value + (self.blocked[atom] - self.orig[atom])
                 if role is None and jnp.issubdtype(jnp.result_type(value), jnp.inexact):
-                    for (node, _, _), env in zip(b.through, self.through, strict=True):
-                        if node is atom and atom in env:  # other groups' old values
-                            value = value + (env[atom] - self.orig[atom])
+                    for _, fwd in self.through:  # other groups' old values, through new ones
+                        if atom in fwd:
+                            value = value + (fwd[atom] - self.orig[atom])
             else:
                 value = atom.val
             n = b.out_use.get(pos)

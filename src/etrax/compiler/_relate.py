@@ -861,20 +861,22 @@ def _unread_group_records(
     """A warning per hidden group with traced weights whose values reach the step's
     outputs only in later steps (through another group's old values, a weight
     between steps, or a carried state such as a delay buffer): neither its new values
-    nor its old ones (the direct route) reach this step's outputs, so its learning
-    signal is zero at every step and its traces never turn into gradient."""
+    nor its old ones (the direct route, also through another group's new value computed
+    from them) reach this step's outputs, so its learning signal is zero at every step
+    and its traces never turn into gradient."""
     jaxpr = ctx.table.jaxpr
     outputs = [v for v in jaxpr.outvars[: ctx.minfo.num_var_out] if isinstance(v, Var)]
     outputs = [v for v in outputs if _is_float(v)]
     now = _differentiable_ancestors(ctx, outputs, set())
     direct = _differentiable_ancestors(ctx, outputs, set(ctx.hidden_outvars))
-    # an output that is a group's new value (a leaky readout) reads the old values of
-    # other groups in its own computation within the step (`perturb`'s `through`)
+    # a group's new value on a direct route (a leaky readout returned as the output, a
+    # second layer read out through a weight) reads the old values of other groups in
+    # its own computation within the step (`perturb`'s `through` routes)
     group_of_new = {
         ctx.table.var(v): g.index for g in groups for v in g.hidden_outvars if v is not None
     }
     through: dict[int, set[Var]] = {}
-    for v in outputs:
+    for v in direct:
         if v in group_of_new:
             stop = set(ctx.hidden_outvars) - {v}
             through.setdefault(group_of_new[v], set()).update(
