@@ -51,6 +51,7 @@ __all__ = [
     "inline_calls",
     "library_product",
     "merge_heads_first",
+    "retraced",
     "slice_program",
     "split_products_read_head_by_head",
 ]
@@ -286,7 +287,7 @@ def inline_calls(closed: ClosedJaxpr, products: bool = False) -> ClosedJaxpr:
 _Outputs = Callable[[int, JaxprEqn, dict[Var, Any]], list[Any] | None]
 
 
-def _retraced(closed: ClosedJaxpr, outputs: _Outputs) -> ClosedJaxpr:
+def retraced(closed: ClosedJaxpr, outputs: _Outputs) -> ClosedJaxpr:
     """`closed` traced again equation by equation: each equation's outputs are
     ``outputs(index, eqn, env)`` (`env` holding every value so far), or the equation
     re-bound where that is `None`. An equation whose outputs nothing reads any more
@@ -415,7 +416,7 @@ def fold_cuts_of_joins(closed: ClosedJaxpr) -> ClosedJaxpr:
                 outs[k] = value
         return outs
 
-    return _retraced(closed, folded)
+    return retraced(closed, folded)
 
 
 def _merges_last_two(eqn: JaxprEqn) -> bool:
@@ -513,7 +514,7 @@ def merge_heads_first(
             return [merged(eqn.invars[0], eqn, moved[i], env)]
         return None
 
-    return _retraced(closed, merged_first)
+    return retraced(closed, merged_first)
 
 
 def _heads_product(eqn: JaxprEqn) -> tuple[int, list[str]] | None:
@@ -628,7 +629,7 @@ def split_products_read_head_by_head(closed: ClosedJaxpr) -> ClosedJaxpr:
                 return [one_head(env, product, head, rest)]
         return None
 
-    return _retraced(closed, split)
+    return retraced(closed, split)
 
 
 def slice_program(
@@ -788,7 +789,7 @@ def custom_vjp_as_jvp(closed: ClosedJaxpr) -> ClosedJaxpr:
         with equation_context(eqn):
             return rule(*invals)
 
-    return _retraced(closed, converted)
+    return retraced(closed, converted)
 
 
 def _with_bodies_converted(eqn: JaxprEqn) -> JaxprEqn | None:
@@ -991,7 +992,7 @@ def event_products_as_ops(closed: ClosedJaxpr) -> ClosedJaxpr:
         with equation_context(eqn):
             return [rule(eqn.params, *(_read(env, a) for a in eqn.invars))]
 
-    return _retraced(closed, converted)
+    return retraced(closed, converted)
 
 
 _FIXED_CALLS: Final = {"brainevent.fcnmv": 1, "brainevent.fcnmm": 2}
@@ -1026,6 +1027,15 @@ def _fixed_call_params(eqn: JaxprEqn, body: ClosedJaxpr) -> dict[str, Any] | Non
     return {"shape": (indices.shape[0], n_post), "transpose": scatter}
 
 
+def _fixed_call_value(params: Mapping[str, Any], weights: Any, indices: Any, data: Any) -> Any:
+    """What a fixed-connection call (`_FIXED_CALLS`) computes, from its operands: the
+    product of the data's values (``(in,)``, or ``(in, batch)`` with the batch last)
+    with the connections' matrix (`_fixed_product`)."""
+    if len(data.shape) == 1:
+        return _fixed_product(params, weights, indices, data, events=False)
+    return _fixed_product(params, weights, indices, data.T, events=False).T
+
+
 def library_product(
     eqn: JaxprEqn, body: ClosedJaxpr, invals: Sequence[Any]
 ) -> Callable[[], Any] | None:
@@ -1041,16 +1051,10 @@ def library_product(
     weights, indices, data = invals
     if isinstance(indices, jax.core.Tracer):
         return None
-    rank = len(data.shape)
-
-    def product(w: Any, idx: Any, x: Any) -> Any:
-        if rank == 1:
-            return _fixed_product(params, w, idx, x, events=False)
-        return _fixed_product(params, w, idx, x.T, events=False).T
 
     if not _fixed_call_checked(body, params, weights, indices, data):
         return None
-    return lambda: product(weights, indices, data)
+    return lambda: _fixed_call_value(params, weights, indices, data)
 
 
 _CHECKS: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -1061,21 +1065,18 @@ operands' shapes and dtypes (every layer of one size shares one; at most 64)."""
 def _fixed_call_checked(
     body: ClosedJaxpr, params: Mapping[str, Any], weights: Any, indices: Any, data: Any
 ) -> bool:
-    """Whether a fixed-connection call's body (`_FIXED_CALLS`) gives the product with
-    the dense matrix of its connections (`_connections`; `etrax.ops.sparse_matmul`
-    over them is that product) on random weights and data and the call's own
-    indices: one compiled program per body and shapes, not an eager op each."""
+    """Whether a fixed-connection call's body (`_FIXED_CALLS`) gives `_fixed_call_value`
+    on random weights and data and the call's own indices (traced in the check, so
+    the product with the connections' dense matrix, which the sparse one equals):
+    one compiled program per body and shapes, not an eager op each."""
     structs = tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in (weights, indices, data))
     key = (str(body.jaxpr), len(body.consts), tuple(params["shape"]), params["transpose"], structs)
     check = _CHECKS.get(key)
     if check is None:
-        shape, transpose = tuple(params["shape"]), bool(params["transpose"])
 
         def both(w: Any, idx: Any, x: Any, consts: Sequence[Any]) -> tuple[Any, Any]:
             want = eval_jaxpr(body.jaxpr, consts, w, idx, x)[0]
-            matrix = _connections(w, idx, shape)
-            got = (x.T @ (matrix if transpose else matrix.T)).T
-            return want, got
+            return want, _fixed_call_value(params, w, idx, x)  # traced indices: dense
 
         # compiled ahead of time: called inside a trace (the inlining's), a jitted
         # function would be staged into it rather than run

@@ -81,6 +81,7 @@ from ._jaxpr import (
     fold_cuts_of_joins,
     inline_calls,
     merge_heads_first,
+    retraced,
     split_products_read_head_by_head,
 )
 from ._positions import ELEMENTWISE
@@ -1630,51 +1631,39 @@ def narrow_weight_values(closed: ClosedJaxpr, weight_inputs: Mapping[int, Path])
     ):
         return closed
 
-    def run(*args: Any) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        narrow: dict[Any, Any] = {}  # wide value → its narrow one (same rank)
+    narrow: dict[Any, Any] = {}  # wide value → its narrow one (same rank)
 
-        def read(atom: Any) -> Any:
-            return atom.val if isinstance(atom, Literal) else env[atom]
+    def narrowed(i: int, eqn: JaxprEqn, env: dict[Var, Any]) -> list[Any] | None:
+        invals = [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
+        name = eqn.primitive.name
+        out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
+        shape = tuple(aval_of(out).shape) if out is not None else ()
+        if name == "broadcast_in_dim" and static(eqn.invars[0]) and out is not None:
+            small = [1] * len(shape)
+            for k, d in enumerate(eqn.params["broadcast_dimensions"]):
+                small[d] = int(jnp.shape(invals[0])[k])
+            if tuple(small) != shape:
+                with equation_context(eqn):
+                    narrow[out] = jnp.reshape(invals[0], small)
+        elif (
+            name in _NARROWABLE
+            and out is not None
+            and kinds.get(out) is _Kind.WEIGHT
+            and all(static(a) for a in eqn.invars)
+            and any(isinstance(a, Var) and a in narrow for a in eqn.invars)
+        ):
+            small_in = [
+                narrow[a] if isinstance(a, Var) and a in narrow else v
+                for a, v in zip(eqn.invars, invals, strict=True)
+            ]
+            (value,) = bind_equation(eqn, small_in)
+            if tuple(jnp.shape(value)) != shape and len(jnp.shape(value)) == len(shape):
+                narrow[out] = value
+                with equation_context(eqn):
+                    return [jax.lax.broadcast_in_dim(value, shape, tuple(range(len(shape))))]
+        return None  # the equation as it is
 
-        for eqn in jaxpr.eqns:
-            invals = [read(a) for a in eqn.invars]
-            outs = None
-            name = eqn.primitive.name
-            out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
-            shape = tuple(aval_of(out).shape) if out is not None else ()
-            if name == "broadcast_in_dim" and static(eqn.invars[0]) and out is not None:
-                small = [1] * len(shape)
-                for k, d in enumerate(eqn.params["broadcast_dimensions"]):
-                    small[d] = int(jnp.shape(invals[0])[k])
-                if tuple(small) != shape:
-                    with equation_context(eqn):
-                        narrow[out] = jnp.reshape(invals[0], small)
-            elif (
-                name in _NARROWABLE
-                and out is not None
-                and kinds.get(out) is _Kind.WEIGHT
-                and all(static(a) for a in eqn.invars)
-                and any(isinstance(a, Var) and a in narrow for a in eqn.invars)
-            ):
-                small_in = [
-                    narrow[a] if isinstance(a, Var) and a in narrow else v
-                    for a, v in zip(eqn.invars, invals, strict=True)
-                ]
-                (value,) = bind_equation(eqn, small_in)
-                if tuple(jnp.shape(value)) != shape and len(jnp.shape(value)) == len(shape):
-                    narrow[out] = value
-                    with equation_context(eqn):
-                        outs = [jax.lax.broadcast_in_dim(value, shape, tuple(range(len(shape))))]
-            if outs is None:
-                outs = bind_equation(eqn, invals)
-            for v, val in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, DropVar):
-                    env[v] = val
-        return [read(a) for a in jaxpr.outvars]
-
-    return jax.make_jaxpr(run)(*(struct_of(v) for v in jaxpr.invars))
+    return retraced(closed, narrowed)
 
 
 def _is_product(eqn: JaxprEqn) -> bool:
